@@ -1,0 +1,174 @@
+"""Per-request sampling parameters and the speculative-decoding configuration."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+METHODS_WITHOUT_DRAFT_MODEL = ("ngram", "suffix")
+MAX_SPECULATIVE_TOKENS = 32
+
+
+def _require_int(owner: str, name: str, value: object) -> None:
+    # bool is a subclass of int; True is never a meaningful count.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def _require_number(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{owner}.{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}.{name} must be finite, got {value!r}")
+
+
+def _require_at_least(owner: str, name: str, value: int, minimum: int) -> None:
+    _require_int(owner, name, value)
+    if value < minimum:
+        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns target logits into tokens.
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it before top-k / top-p.
+    top_k: keep only the k most likely tokens; 0 turns the filter off.
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p; 1.0 turns it off.
+    seed: seeds the request's torch.Generator; None draws a random seed.
+    max_tokens: the most tokens to generate for the request.
+    stop: strings that end the generation when they appear in the output.
+    ignore_eos: keep generating past the end-of-sequence token.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "SamplingParams"
+        _require_number(owner, "temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"{owner}.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _require_at_least(owner, "top_k", self.top_k, 0)
+        _require_number(owner, "top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{owner}.top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            _require_int(owner, "seed", self.seed)
+        _require_at_least(owner, "max_tokens", self.max_tokens, 1)
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"{owner}.stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"{owner}.ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Which drafter proposes tokens and how many; keys follow vLLM's ``speculative_config``.
+
+    vLLM's keys:
+      method: "ngram" (prompt lookup), "suffix" (suffix trie over the request and past requests) or
+          "draft_model" (a smaller model of the same tokenizer).
+      num_speculative_tokens: tokens drafted per verify step, 1..32.
+      model: the draft model's name or path; required for "draft_model", rejected for "ngram" / "suffix".
+      prompt_lookup_max: longest n-gram the ngram drafter tries to match (>= 1).
+      prompt_lookup_min: shortest n-gram the ngram drafter tries to match (>= 1, <= prompt_lookup_max).
+
+    Our keys (suffix drafter only):
+      suffix_max_depth: depth limit of the suffix trie = longest context + draft it can match (>= 1).
+      suffix_min_token_prob: the draft stops once the running product of the empirical continuation
+          probabilities falls below this, in [0, 1].
+      suffix_cache_requests: how many finished requests' token sequences the cross-request cache keeps
+          (>= 0; 0 disables the cache).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    suffix_max_depth: int = 64
+    suffix_min_token_prob: float = 0.1
+    suffix_cache_requests: int = 64
+
+    def __post_init__(self) -> None:
+        self._validate_method_and_model()
+        owner = "SpeculativeConfig"
+        _require_at_least(owner, "num_speculative_tokens", self.num_speculative_tokens, 1)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"{owner}.num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+        _require_at_least(owner, "prompt_lookup_max", self.prompt_lookup_max, 1)
+        _require_at_least(owner, "prompt_lookup_min", self.prompt_lookup_min, 1)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"{owner}.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        _require_at_least(owner, "suffix_max_depth", self.suffix_max_depth, 1)
+        _require_number(owner, "suffix_min_token_prob", self.suffix_min_token_prob)
+        if not 0 <= self.suffix_min_token_prob <= 1:
+            raise ValueError(f"{owner}.suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
+        _require_at_least(owner, "suffix_cache_requests", self.suffix_cache_requests, 0)
+
+    def _validate_method_and_model(self) -> None:
+        if not isinstance(self.method, str):
+            raise ValueError(f"SpeculativeConfig.method must be a string, got {type(self.method).__name__}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"unknown speculative method {self.method!r}; known methods: {', '.join(SPECULATIVE_METHODS)}"
+            )
+        if self.model is not None and not (isinstance(self.model, str) and self.model):
+            raise ValueError(f"SpeculativeConfig.model must be a non-empty string or None, got {self.model!r}")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative method 'draft_model' needs 'model' (the draft model's name or path)")
+        if self.method in METHODS_WITHOUT_DRAFT_MODEL and self.model is not None:
+            raise ValueError(
+                f"speculative method {self.method!r} uses no draft model, but 'model' was given: {self.model!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpeculativeConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"speculative config must be a JSON object / dict, got {type(data).__name__}")
+        valid_keys = [f.name for f in dataclasses.fields(cls)]
+        unknown_keys = sorted(set(data) - set(valid_keys), key=str)
+        if unknown_keys:
+            raise ValueError(
+                f"unknown speculative config key(s): {', '.join(map(repr, unknown_keys))}; "
+                f"valid keys: {', '.join(valid_keys)}"
+            )
+        missing_keys = [f.name for f in dataclasses.fields(cls) if _is_required(f) and f.name not in data]
+        if missing_keys:
+            raise ValueError(f"speculative config is missing required key(s): {', '.join(missing_keys)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"malformed speculative config JSON: {error}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _is_required(config_field: dataclasses.Field) -> bool:
+    no_default = config_field.default is dataclasses.MISSING
+    return no_default and config_field.default_factory is dataclasses.MISSING

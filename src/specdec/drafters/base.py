@@ -1,0 +1,71 @@
+"""The drafter interface: propose draft tokens for a batch of requests, learn from committed tokens."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    """The drafter's proposal for one request."""
+
+    token_ids: tuple[int, ...]  # k proposed tokens (k may be 0)
+    draft_probs: torch.Tensor | None = None  # [k, vocab] draft distribution per position, None = point mass
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_ids, tuple):
+            raise ValueError(f"Draft.token_ids must be a tuple, got {type(self.token_ids).__name__}")
+        if self.draft_probs is not None and (
+            self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != len(self.token_ids)
+        ):
+            raise ValueError(
+                f"Draft.draft_probs must be [k, vocab] with k = {len(self.token_ids)}, "
+                f"got shape {tuple(self.draft_probs.shape)}"
+            )
+
+
+class Drafter(ABC):
+    """One instance serves a whole batch of requests, each identified by its request id."""
+
+    @abstractmethod
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> None:
+        """Start tracking a request; its sequence so far is the prompt."""
+
+    @abstractmethod
+    def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
+        """One Draft per request, in order, with len(token_ids) <= max_draft_tokens[i]."""
+
+    @abstractmethod
+    def observe(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Tokens just committed to the request's sequence (accepted drafts + the recovered/bonus token)."""
+
+    @abstractmethod
+    def remove_request(self, request_id: str) -> None:
+        """The request finished; drafters with a cross-request cache keep its tokens there."""
+
+
+def check_propose_args(request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> None:
+    """Shared argument check for ``Drafter.propose``."""
+    if len(request_ids) != len(max_draft_tokens):
+        raise ValueError(
+            f"propose got {len(request_ids)} request ids but {len(max_draft_tokens)} max_draft_tokens entries"
+        )
+    negative = [(request_id, budget) for request_id, budget in zip(request_ids, max_draft_tokens) if budget < 0]
+    if negative:
+        raise ValueError(f"max_draft_tokens must be >= 0, got (request_id, budget) {negative}")
+
+
+def unknown_request_error(request_id: str, known_request_ids: Iterable[str]) -> KeyError:
+    """The error every drafter raises for a request id it does not track."""
+    return KeyError(f"unknown request id {request_id!r}; tracked: {sorted(known_request_ids)[:10]}")

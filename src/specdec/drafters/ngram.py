@@ -1,0 +1,98 @@
+"""Prompt-lookup (n-gram) drafting: continue the sequence the way it continued last time.
+
+For n from prompt_lookup_max down to prompt_lookup_min, take the last n tokens of prompt + output, find
+their most recent earlier occurrence and propose the tokens that followed it. The most recent occurrence
+of every n-gram is kept in a dict updated as tokens arrive, so a step costs O(max - min + 1) lookups
+instead of a rescan of the sequence.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.drafters.base import Draft, Drafter, check_propose_args, unknown_request_error
+
+
+class _NgramIndex:
+    """One request's tokens and, per n-gram, the end position (exclusive) of its latest earlier occurrence.
+
+    "Earlier" means not the sequence's current suffix: the n-grams ending at len(token_ids) are only
+    indexed when the next token arrives, so a lookup of the current suffix finds a previous occurrence.
+    """
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.prompt_lookup_min = prompt_lookup_min
+        self.prompt_lookup_max = prompt_lookup_max
+        self.token_ids: list[int] = []
+        self.last_end_by_ngram: dict[tuple[int, ...], int] = {}
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        for token_id in token_ids:
+            self._index_current_suffixes()
+            self.token_ids.append(int(token_id))
+
+    def _index_current_suffixes(self) -> None:
+        end = len(self.token_ids)
+        longest = min(self.prompt_lookup_max, end)
+        for n in range(self.prompt_lookup_min, longest + 1):
+            self.last_end_by_ngram[tuple(self.token_ids[end - n : end])] = end
+
+    def propose(self, max_tokens: int) -> tuple[int, ...]:
+        """The continuation of the longest suffix n-gram seen before, at most max_tokens long."""
+        if max_tokens == 0:
+            return ()
+        length = len(self.token_ids)
+        for n in range(min(self.prompt_lookup_max, length), self.prompt_lookup_min - 1, -1):
+            previous_end = self.last_end_by_ngram.get(tuple(self.token_ids[length - n :]))
+            if previous_end is not None:
+                return tuple(self.token_ids[previous_end : min(previous_end + max_tokens, length)])
+        return ()
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup over prompt + output; point-mass drafts (draft_probs None)."""
+
+    def __init__(self, prompt_lookup_max: int, prompt_lookup_min: int) -> None:
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got min={prompt_lookup_min}, "
+                f"max={prompt_lookup_max}"
+            )
+        self.prompt_lookup_max = prompt_lookup_max
+        self.prompt_lookup_min = prompt_lookup_min
+        self._index_by_request: dict[str, _NgramIndex] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> None:
+        if request_id in self._index_by_request:
+            raise ValueError(f"request id {request_id!r} is already tracked by the ngram drafter")
+        index = _NgramIndex(self.prompt_lookup_min, self.prompt_lookup_max)
+        index.extend(prompt_token_ids)
+        self._index_by_request[request_id] = index
+
+    def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
+        check_propose_args(request_ids, max_draft_tokens)
+        return [
+            Draft(token_ids=self._index(request_id).propose(budget), draft_probs=None)
+            for request_id, budget in zip(request_ids, max_draft_tokens)
+        ]
+
+    def observe(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._index(request_id).extend(token_ids)
+
+    def remove_request(self, request_id: str) -> None:
+        self._index(request_id)
+        del self._index_by_request[request_id]
+
+    def _index(self, request_id: str) -> _NgramIndex:
+        index = self._index_by_request.get(request_id)
+        if index is None:
+            raise unknown_request_error(request_id, self._index_by_request.keys())
+        return index

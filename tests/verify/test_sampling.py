@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import math
+
+import torch
+from scipy.stats import chisquare
+
+from specdec.config import SamplingParams
+from specdec.verify.sampling import greedy_tokens, logits_to_probs, make_generator, sample
+
+
+def logits_from_probs(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([probs]).log()  # [1, vocab]
+
+
+def test_temperature_scales_logits() -> None:
+    logits = torch.tensor([[0.0, math.log(4.0)]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=2.0))
+    torch.testing.assert_close(probs, torch.tensor([[1 / 3, 2 / 3]]))
+
+
+def test_top_k_keeps_k_most_likely() -> None:
+    logits = logits_from_probs([0.1, 0.4, 0.2, 0.3])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 4 / 7, 0.0, 3 / 7]]))
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
+    logits = logits_from_probs([0.15, 0.5, 0.05, 0.3])
+    exactly_two = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.75))
+    torch.testing.assert_close(exactly_two, torch.tensor([[0.0, 0.625, 0.0, 0.375]]))
+    three = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    torch.testing.assert_close(three, torch.tensor([[0.15, 0.5, 0.0, 0.3]]) / 0.95)
+
+
+def test_top_p_always_keeps_the_most_likely_token() -> None:
+    probs = logits_to_probs(logits_from_probs([0.2, 0.7, 0.1]), SamplingParams(temperature=1.0, top_p=0.01))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 1.0, 0.0]]))
+
+
+def test_top_p_applies_after_top_k_and_temperature() -> None:
+    # temperature 1: top-k 3 renormalizes [0.4, 0.3, 0.2] to [4/9, 3/9, 2/9]; top-p 0.7 then keeps 2 tokens.
+    logits = logits_from_probs([0.4, 0.3, 0.2, 0.1])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.7))
+    torch.testing.assert_close(probs, torch.tensor([[4 / 7, 3 / 7, 0.0, 0.0]]))
+
+
+def test_greedy_params_give_one_hot_of_argmax_first_on_ties() -> None:
+    logits = torch.tensor([[0.1, 3.0, 3.0], [5.0, 1.0, 2.0]])
+    probs = logits_to_probs(logits, SamplingParams())
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    assert greedy_tokens(logits).tolist() == [1, 0]
+
+
+def test_seeded_generator_is_reproducible() -> None:
+    probs = torch.full((64, 10), 0.1)  # [n, vocab]
+    first = sample(probs, make_generator(1234, "cpu"))
+    second = sample(probs, make_generator(1234, "cpu"))
+    other_seed = sample(probs, make_generator(4321, "cpu"))
+    assert torch.equal(first, second)
+    assert not torch.equal(first, other_seed)
+
+
+def test_unseeded_generators_differ() -> None:
+    assert make_generator(None, "cpu").initial_seed() != make_generator(None, "cpu").initial_seed()
+
+
+def test_sample_follows_probs_and_never_picks_zero_probability() -> None:
+    target_probs = torch.tensor([0.5, 0.0, 0.2, 0.3])
+    num_samples = 20_000
+    token_ids = sample(target_probs.expand(num_samples, -1), make_generator(7, "cpu"))  # [n]
+    counts = torch.bincount(token_ids, minlength=4).double()
+    assert counts[1] == 0
+    kept = [0, 2, 3]
+    assert chisquare(counts[kept].numpy(), (target_probs[kept] * num_samples).numpy()).pvalue > 1e-3
