@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The test command: sets up (idempotent) and runs the whole test suite, real-model tests included.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,151 @@
+"""`specdec` command line: generate, models, pull (bench, serve and plan come with their issues)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from specdec.engine.sequence import TokenKind
+
+COLOURS = {  # ANSI colours for --show-drafts
+    TokenKind.ACCEPTED: "\033[32m",  # green: accepted draft token
+    TokenKind.RECOVERED: "\033[33m",  # yellow: the target's correction at a rejected draft
+    TokenKind.BONUS: "\033[36m",  # cyan: bonus token after a fully accepted draft
+    TokenKind.TARGET: "",
+}
+RESET = "\033[0m"
+
+
+def _add_generate_args(parser: argparse.ArgumentParser) -> None:
+    from specdec.models.catalog import DEFAULT_MODEL
+
+    parser.add_argument("prompt", help="prompt text (use --chat to wrap it in the model's chat template)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"catalogue name, .gguf path or HF directory (default {DEFAULT_MODEL})")
+    parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    parser.add_argument("--show-drafts", action="store_true", help="colour accepted (green), recovered (yellow) and bonus (cyan) tokens")
+    parser.add_argument("--compare-plain", action="store_true", help="also decode without speculation and print the speed-up")
+    parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default=None)
+
+
+def _stream_printer(llm, show_drafts: bool):
+    def on_output(output) -> None:
+        if show_drafts:
+            for token_id, kind in zip(output.new_token_ids, output.new_token_kinds):
+                text = llm.tokenizer.decode([token_id])
+                sys.stdout.write(f"{COLOURS[kind]}{text}{RESET if COLOURS[kind] else ''}")
+        else:
+            sys.stdout.write(output.new_text)
+        sys.stdout.flush()
+
+    return on_output
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdec.config import SamplingParams
+    from specdec.llm import LLM
+    from specdec.runtime import configure_threads
+
+    configure_threads(args.threads)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    started = time.perf_counter()
+    llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
+              max_model_len=args.max_model_len, max_num_seqs=1, device=args.device)
+    print(f"[loaded {args.model} in {time.perf_counter() - started:.1f} s]", file=sys.stderr)
+    plain = None
+    if args.compare_plain and llm.spec_config is not None:
+        llm.generate(args.prompt, SamplingParams(max_tokens=4), chat=args.chat, speculative=False)  # warm-up
+        print("--- plain decoding ---", file=sys.stderr)
+        plain = llm.generate(args.prompt, params, chat=args.chat, speculative=False, on_output=_stream_printer(llm, False))[0]
+        print(f"\n[plain: {len(plain.token_ids)} tokens, {plain.tokens_per_s:.1f} tok/s]", file=sys.stderr)
+        print(f"--- speculative decoding ({llm.spec_config.method}) ---", file=sys.stderr)
+    result = llm.generate(args.prompt, params, chat=args.chat, on_output=_stream_printer(llm, args.show_drafts))[0]
+    print(file=sys.stderr)
+    _print_summary(result, plain, llm.spec_config is not None)
+    return 0
+
+
+def _print_summary(result, plain, speculative: bool) -> None:
+    print(f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s: {result.tokens_per_s:.1f} tok/s, "
+          f"finish: {result.finish_reason}]", file=sys.stderr)
+    if speculative:
+        m = result.metrics
+        positions = " ".join(f"{rate:.2f}" for rate in m.position_acceptance_rates)
+        print(f"[speculation: {m.verify_steps} verify steps, {m.drafted_tokens} drafted, {m.accepted_tokens} accepted, "
+              f"acceptance rate {m.acceptance_rate:.2f}, mean accepted length {m.mean_accepted_length:.2f}, "
+              f"per position: {positions}]", file=sys.stderr)
+        print(f"[time: drafter {m.draft_time_s:.2f} s, target {m.target_time_s:.2f} s, verifier {m.verify_time_s:.2f} s]",
+              file=sys.stderr)
+    if plain is not None:
+        identical = plain.token_ids == result.token_ids
+        speedup = result.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else float("nan")
+        print(f"[speed-up over plain decoding: {speedup:.2f}x ({plain.tokens_per_s:.1f} -> {result.tokens_per_s:.1f} tok/s); "
+              f"output identical to plain: {'yes' if identical else 'NO'}]", file=sys.stderr)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from specdec.models.catalog import CATALOG, DEFAULT_MODEL, is_pulled
+
+    for entry in CATALOG.values():
+        mark = "pulled" if is_pulled(entry.name) else "not pulled"
+        default = " (default)" if entry.name == DEFAULT_MODEL else ""
+        print(f"{entry.name:32s} {mark:11s} {entry.description}{default}")
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from specdec.models.catalog import pull
+
+    for name in args.names:
+        path = pull(name, progress=lambda message: print(message, file=sys.stderr))
+        print(path)
+    return 0
+
+
+def cmd_build_kernels(args: argparse.Namespace) -> int:
+    from specdec.kernels import build_kernels
+
+    started = time.perf_counter()
+    build_kernels()
+    print(f"kernels ready ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="generate text from a prompt (optionally speculative)")
+    _add_generate_args(generate)
+    generate.set_defaults(handler=cmd_generate)
+    commands.add_parser("models", help="list the embedded model catalogue").set_defaults(handler=cmd_models)
+    pull = commands.add_parser("pull", help="install and assemble catalogue models")
+    pull.add_argument("names", nargs="+")
+    pull.set_defaults(handler=cmd_pull)
+    commands.add_parser("build-kernels", help="compile the CPU kernels now (otherwise done on first use)").set_defaults(
+        handler=cmd_build_kernels)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        print(f"specdec: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

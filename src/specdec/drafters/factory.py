@@ -1,0 +1,56 @@
+"""Builds the drafter a SpeculativeConfig asks for, rejecting unsupported combinations up front."""
+from __future__ import annotations
+
+import warnings
+
+from specdec.config import SpeculativeConfig
+from specdec.drafters.base import Drafter
+from specdec.models.tokenizer import Tokenizer
+from specdec.models.transformer import Transformer
+
+
+def build_drafter(config: SpeculativeConfig, target: Transformer, tokenizer: Tokenizer, weight_format: str,
+                  max_model_len: int, max_num_seqs: int) -> Drafter:
+    if config.method == "ngram":
+        from specdec.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.method == "suffix":
+        from specdec.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter(config.suffix_max_depth, config.suffix_min_token_prob, config.suffix_cache_requests)
+    if config.method == "draft_model":
+        return _build_draft_model(config, target, tokenizer, weight_format, max_model_len, max_num_seqs)
+    raise ValueError(f"speculative method {config.method!r} is not implemented yet")
+
+
+def _build_draft_model(config, target: Transformer, tokenizer: Tokenizer, weight_format: str,
+                       max_model_len: int, max_num_seqs: int) -> Drafter:
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.runtime import load_model
+
+    draft, draft_tokenizer = load_model(config.model, weight_format, target.device)
+    check_same_vocabulary(tokenizer, draft_tokenizer, target.config.vocab_size, draft.config.vocab_size)
+    if draft.config.num_parameters >= target.config.num_parameters:
+        warnings.warn(
+            f"draft model {config.model!r} ({draft.config.num_parameters / 1e6:.0f}M parameters) is not smaller than "
+            f"the target ({target.config.num_parameters / 1e6:.0f}M): speculation will likely be slower",
+            stacklevel=2,
+        )
+    return DraftModelDrafter(draft, max_num_seqs, max_model_len)
+
+
+def check_same_vocabulary(target_tokenizer: Tokenizer, draft_tokenizer: Tokenizer, target_vocab: int, draft_vocab: int) -> None:
+    """The verifier compares token ids, so both models must map ids to the same tokens."""
+    if target_vocab != draft_vocab:
+        raise ValueError(f"draft model vocabulary has {draft_vocab} entries, the target's {target_vocab}: they must be the same")
+    size = min(target_tokenizer.vocab_size, draft_tokenizer.vocab_size)
+    differing = [i for i in range(size) if target_tokenizer.id_to_token(i) != draft_tokenizer.id_to_token(i)]
+    if differing or target_tokenizer.vocab_size != draft_tokenizer.vocab_size:
+        examples = ", ".join(
+            f"{i}: target {target_tokenizer.id_to_token(i)!r} vs draft {draft_tokenizer.id_to_token(i)!r}" for i in differing[:5]
+        )
+        raise ValueError(
+            f"draft and target tokenizers differ ({len(differing)} ids differ, tokenizer sizes "
+            f"{draft_tokenizer.vocab_size} vs {target_tokenizer.vocab_size}); first: {examples}"
+        )

@@ -1,0 +1,209 @@
+"""The step loop: admit requests into KV-cache slots, prefill them, then decode or draft-and-verify.
+
+One `step()` runs one target forward over the ragged batch of all running sequences: each sequence
+contributes its last token plus its draft tokens (none when it does not speculate); the verifier turns
+the logits into accepted drafts plus one recovered or bonus token; rejected positions are rolled back by
+simply not advancing the sequence's cache length (the cache is indexed by position).
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec.cache.kv_cache import KVCache
+from specdec.config import SamplingParams
+from specdec.drafters.base import Draft, Drafter
+from specdec.engine.batch import ForwardBatch
+from specdec.engine.metrics import SpecDecodeMetrics
+from specdec.engine.sequence import Sequence, TokenKind, new_sequence
+from specdec.models.tokenizer import Tokenizer
+from specdec.models.transformer import Transformer
+from specdec.verify.rejection import VerifyResult, verify_greedy, verify_rejection
+from specdec.verify.sampling import logits_to_probs, make_generator, sample
+
+EMPTY_DRAFT = Draft(token_ids=(), draft_probs=None)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step added to one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_token_kinds: tuple[TokenKind, ...]
+    new_text: str
+    finish_reason: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        max_num_seqs: int = 8,
+        max_model_len: int = 4096,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 0,
+        prefill_chunk: int = 512,
+    ) -> None:
+        if drafter is not None and num_speculative_tokens < 1:
+            raise ValueError("a drafter needs num_speculative_tokens >= 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device)
+        self.drafter = drafter
+        self.num_speculative_tokens = num_speculative_tokens
+        self.prefill_chunk = prefill_chunk
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.metrics = SpecDecodeMetrics()  # engine-wide; step times counted once per step
+        self._next_id = 0
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    speculative: bool = True) -> Sequence:
+        if request_id is None:
+            request_id, self._next_id = str(self._next_id), self._next_id + 1
+        generator = None if params.greedy else make_generator(params.seed, self.model.device)
+        seq = new_sequence(request_id, prompt_token_ids, params, self.tokenizer, self.max_model_len, generator,
+                           speculative=speculative and self.drafter is not None)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.finish_reason = "abort"
+                return True
+        for seq in self.running:
+            if seq.request_id == request_id:
+                seq.finish_reason = "abort"
+                self._release(seq)
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- stepping -------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Decodes every running sequence once, then admits waiting requests into free slots (prefill)."""
+        running = [seq for seq in self.running if not seq.finished]
+        outputs = self._decode_step(running) if running else []
+        while self.waiting and self.cache.free_slots:
+            outputs.append(self._admit(self.waiting.popleft()))
+        for seq in [seq for seq in self.running if seq.finished]:
+            self._release(seq)
+        return outputs
+
+    def _admit(self, seq: Sequence) -> StepOutput:
+        seq.slot = self.cache.allocate()
+        self.running.append(seq)
+        if seq.speculative:
+            start = time.perf_counter()
+            self.drafter.add_request(seq.request_id, seq.prompt_token_ids, seq.params, seq.generator)
+            seq.metrics.draft_time_s += time.perf_counter() - start
+        logits = self._prefill(seq)  # [1, vocab]
+        token_id = self._sample_one(seq, logits)
+        new_text = seq.append(token_id, TokenKind.TARGET)
+        if seq.speculative:
+            self.drafter.observe(seq.request_id, [token_id])
+        return StepOutput(seq.request_id, (token_id,), (TokenKind.TARGET,), new_text, seq.finish_reason)
+
+    def _prefill(self, seq: Sequence) -> torch.Tensor:
+        prompt = seq.prompt_token_ids
+        for start in range(0, len(prompt), self.prefill_chunk):
+            chunk = prompt[start : start + self.prefill_chunk]
+            batch = ForwardBatch.build([chunk], [start], [seq.slot], all_logits=False, device=self.model.device)
+            logits = self.model.forward(batch, self.cache)
+        seq.num_cached = len(prompt)
+        return logits
+
+    def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """logits [1, vocab] -> one token, exactly as plain decoding samples it."""
+        if seq.params.greedy:
+            return int(logits[0].argmax())
+        return int(sample(logits_to_probs(logits, seq.params), seq.generator)[0])
+
+    def _decode_step(self, seqs: list[Sequence]) -> list[StepOutput]:
+        start = time.perf_counter()
+        drafts = self._propose(seqs)
+        drafted = time.perf_counter()
+        batch = ForwardBatch.build(
+            [[seq.last_token_id, *draft.token_ids] for seq, draft in zip(seqs, drafts)],
+            [seq.num_cached for seq in seqs],
+            [seq.slot for seq in seqs],
+            all_logits=True,
+            device=self.model.device,
+        )
+        logits_per_seq = batch.split_logits(self.model.forward(batch, self.cache))  # each [k_i + 1, vocab]
+        verified_at = time.perf_counter()
+        results = [self._verify(seq, draft, logits) for seq, draft, logits in zip(seqs, drafts, logits_per_seq)]
+        done = time.perf_counter()
+        step_times = (drafted - start, verified_at - drafted, done - verified_at)
+        self._record_times(self.metrics, step_times)
+        return [self._commit(seq, draft, result, step_times) for seq, draft, result in zip(seqs, drafts, results)]
+
+    def _propose(self, seqs: list[Sequence]) -> list[Draft]:
+        speculating = [seq for seq in seqs if seq.speculative]
+        drafts = {}
+        if speculating:
+            budgets = [seq.max_draft_tokens(self.num_speculative_tokens) for seq in speculating]
+            proposed = self.drafter.propose([seq.request_id for seq in speculating], budgets)
+            drafts = {seq.request_id: draft for seq, draft in zip(speculating, proposed)}
+        return [drafts.get(seq.request_id, EMPTY_DRAFT) for seq in seqs]
+
+    def _verify(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor) -> VerifyResult:
+        """target_logits [k+1, vocab]."""
+        if seq.params.greedy:
+            return verify_greedy(draft.token_ids, target_logits)
+        target_probs = logits_to_probs(target_logits, seq.params)  # [k+1, vocab]
+        return verify_rejection(draft.token_ids, draft.draft_probs, target_probs, seq.generator)
+
+    def _commit(self, seq: Sequence, draft: Draft, result: VerifyResult, step_times) -> StepOutput:
+        """Appends the verified tokens (stopping early at EOS/stop/length exactly like plain decoding)."""
+        num_drafted = len(draft.token_ids)
+        kinds = [TokenKind.ACCEPTED] * result.accepted_count
+        if num_drafted == 0:
+            kinds.append(TokenKind.TARGET)
+        else:
+            kinds.append(TokenKind.BONUS if result.accepted_count == num_drafted else TokenKind.RECOVERED)
+        new_ids, new_kinds, new_text = [], [], ""
+        for token_id, kind in zip(result.token_ids, kinds):
+            new_text += seq.append(token_id, kind)
+            new_ids.append(token_id)
+            new_kinds.append(kind)
+            if seq.finished:
+                break
+        seq.num_cached += len(new_ids)  # the last token and the accepted drafts now have valid cache entries
+        if seq.speculative:
+            if num_drafted:
+                seq.metrics.record_step(num_drafted, result.accepted_count)
+                self.metrics.record_step(num_drafted, result.accepted_count)
+            self._record_times(seq.metrics, step_times)
+            if not seq.finished:
+                self.drafter.observe(seq.request_id, new_ids)
+        return StepOutput(seq.request_id, tuple(new_ids), tuple(new_kinds), new_text, seq.finish_reason)
+
+    @staticmethod
+    def _record_times(metrics: SpecDecodeMetrics, step_times: tuple[float, float, float]) -> None:
+        draft_s, target_s, verify_s = step_times
+        metrics.draft_time_s += draft_s
+        metrics.target_time_s += target_s
+        metrics.verify_time_s += verify_s
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.free(seq.slot)
+            if seq.speculative:
+                self.drafter.remove_request(seq.request_id)

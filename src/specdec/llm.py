@@ -1,0 +1,113 @@
+"""Public Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters.factory import build_drafter
+from specdec.engine.engine import Engine, StepOutput
+from specdec.engine.metrics import SpecDecodeMetrics
+from specdec.engine.sequence import Sequence as EngineSequence
+from specdec.engine.sequence import TokenKind
+from specdec.models.catalog import DEFAULT_MODEL
+from specdec.models.tokenizer import Tokenizer
+from specdec.models.transformer import Transformer
+from specdec.runtime import default_device, load_model
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    token_kinds: tuple[TokenKind, ...]
+    text: str
+    finish_reason: str
+    metrics: SpecDecodeMetrics
+    elapsed_s: float  # wall time from the first step to this request's end
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class LLM:
+    """A target model, optionally with a drafter, and an engine that batches requests."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        speculative_config: SpeculativeConfig | dict | str | None = None,
+        weight_format: str = "q8",
+        max_model_len: int = 4096,
+        max_num_seqs: int = 8,
+        device: str | None = None,
+        loaded: tuple[Transformer, Tokenizer] | None = None,
+    ) -> None:
+        self.spec_config = _as_spec_config(speculative_config)
+        self.device = torch.device(device) if device else default_device()
+        self.model, self.tokenizer = loaded if loaded is not None else load_model(model, weight_format, self.device)
+        self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
+        drafter = None
+        if self.spec_config is not None:
+            drafter = build_drafter(self.spec_config, self.model, self.tokenizer, weight_format=weight_format,
+                                    max_model_len=self.max_model_len, max_num_seqs=max_num_seqs)
+        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
+        self.engine = Engine(self.model, self.tokenizer, max_num_seqs, self.max_model_len, drafter, k)
+
+    def encode_prompt(self, prompt: str | Sequence[int] | list[dict], chat: bool = False) -> list[int]:
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        if chat or isinstance(prompt, list):
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str | list[int]],
+        params: SamplingParams | None = None,
+        chat: bool = False,
+        speculative: bool = True,
+        on_output: Callable[[StepOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (batched); results in prompt order. on_output streams each step's tokens."""
+        params = params or SamplingParams()
+        single = isinstance(prompts, str)
+        prompt_list = [prompts] if single else list(prompts)
+        seqs = [self.engine.add_request(self.encode_prompt(p, chat), params, speculative=speculative) for p in prompt_list]
+        start = time.perf_counter()
+        ended_at: dict[str, float] = {}
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                if on_output is not None:
+                    on_output(output)
+                if output.finished:
+                    ended_at[output.request_id] = time.perf_counter()
+        return [_request_output(seq, ended_at.get(seq.request_id, time.perf_counter()) - start) for seq in seqs]
+
+
+def _request_output(seq: EngineSequence, elapsed_s: float) -> RequestOutput:
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt_token_ids=tuple(seq.prompt_token_ids),
+        token_ids=tuple(seq.output_token_ids),
+        token_kinds=tuple(seq.token_kinds),
+        text=seq.text,
+        finish_reason=seq.finish_reason or "abort",
+        metrics=seq.metrics,
+        elapsed_s=elapsed_s,
+    )
+
+
+def _as_spec_config(value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, dict):
+        return SpeculativeConfig.from_dict(value)
+    return SpeculativeConfig.from_json(value)

@@ -1,0 +1,152 @@
+"""One decoder-only transformer; Llama, Qwen2 and Gemma 3 differ only by ModelConfig.
+
+Weights come from a loader as canonical fp32 tensors (see models/loader.py) and are converted once to
+the chosen weight format (models/layers.Linear). q/k/v and gate/up are fused into single linears.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.cache.kv_cache import KVCache
+from specdec.engine.batch import ForwardBatch
+from specdec.kernels import attention
+from specdec.models.config import ModelConfig
+from specdec.models.layers import Linear, RotaryTable, gated_activation, rms_norm
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv_proj: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o_proj: Linear  # heads * head_dim -> hidden
+    ffn_norm: torch.Tensor  # [hidden]
+    gate_up_proj: Linear  # hidden -> 2 * intermediate
+    down_proj: Linear  # intermediate -> hidden
+    q_norm: torch.Tensor | None  # [head_dim]
+    k_norm: torch.Tensor | None  # [head_dim]
+    post_attn_norm: torch.Tensor | None  # [hidden]
+    post_ffn_norm: torch.Tensor | None  # [hidden]
+
+
+def _optional(tensors: dict[str, torch.Tensor], name: str, device: torch.device) -> torch.Tensor | None:
+    tensor = tensors.get(name)
+    return None if tensor is None else tensor.float().to(device)
+
+
+def _build_layer(config: ModelConfig, tensors: dict[str, torch.Tensor], index: int, weight_format: str, device) -> DecoderLayer:
+    prefix = f"layers.{index}."
+    take = lambda name: tensors[prefix + name].float().to(device)  # noqa: E731
+    qkv_weight = torch.cat([take("q_proj"), take("k_proj"), take("v_proj")])
+    qkv_bias = torch.cat([take("q_proj.bias"), take("k_proj.bias"), take("v_proj.bias")]) if config.qkv_bias else None
+    return DecoderLayer(
+        attn_norm=take("attn_norm"),
+        qkv_proj=Linear.build(qkv_weight, qkv_bias, weight_format),
+        o_proj=Linear.build(take("o_proj"), None, weight_format),
+        ffn_norm=take("ffn_norm"),
+        gate_up_proj=Linear.build(torch.cat([take("gate_proj"), take("up_proj")]), None, weight_format),
+        down_proj=Linear.build(take("down_proj"), None, weight_format),
+        q_norm=_optional(tensors, prefix + "q_norm", device) if config.qk_norm else None,
+        k_norm=_optional(tensors, prefix + "k_norm", device) if config.qk_norm else None,
+        post_attn_norm=_optional(tensors, prefix + "post_attn_norm", device) if config.post_norms else None,
+        post_ffn_norm=_optional(tensors, prefix + "post_ffn_norm", device) if config.post_norms else None,
+    )
+
+
+class Transformer:
+    """Forward pass over a ForwardBatch with a KVCache; returns logits of the requested rows."""
+
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], weight_format: str = "q8", device="cpu") -> None:
+        self.config = config
+        self.weight_format = weight_format
+        self.device = torch.device(device)
+        missing = self._missing_tensors(tensors)
+        if missing:
+            raise ValueError(f"checkpoint lacks tensors required by {config.architecture}: {', '.join(missing[:8])}")
+        embed = tensors["embed_tokens"].float().to(self.device)
+        self.embed_tokens = Linear.build(embed, None, weight_format)
+        lm_head = tensors.get("lm_head")
+        self.lm_head = self.embed_tokens if lm_head is None else Linear.build(lm_head.float().to(self.device), None, weight_format)
+        self.norm = tensors["norm"].float().to(self.device)
+        self.layers = [_build_layer(config, tensors, i, weight_format, self.device) for i in range(config.num_layers)]
+        thetas = {config.layer_rope_theta(i) for i in range(config.num_layers)}
+        self.rotary = {theta: RotaryTable(config.head_dim, theta, self.device) for theta in thetas}
+
+    def _missing_tensors(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        names = ["embed_tokens", "norm"]
+        per_layer = ["attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "ffn_norm", "gate_proj", "up_proj", "down_proj"]
+        if self.config.qkv_bias:
+            per_layer += ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
+        if self.config.qk_norm:
+            per_layer += ["q_norm", "k_norm"]
+        if self.config.post_norms:
+            per_layer += ["post_attn_norm", "post_ffn_norm"]
+        if not self.config.tie_word_embeddings:
+            names.append("lm_head")
+        names += [f"layers.{i}.{name}" for i in range(self.config.num_layers) for name in per_layer]
+        return [name for name in names if name not in tensors]
+
+    @property
+    def weight_nbytes(self) -> int:
+        linears = [self.embed_tokens] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
+        for layer in self.layers:
+            linears += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+        return sum(linear.nbytes() for linear in linears)
+
+    def key_ranges(self, batch: ForwardBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer type, the [start, end) cache positions each row attends (causal, sliding window)."""
+        key_end = (batch.positions + 1).to(torch.int32)  # [rows]
+        ranges = {"full": (torch.zeros_like(key_end), key_end)}
+        if self.config.sliding_window:
+            ranges["sliding"] = ((key_end - self.config.sliding_window).clamp(min=0), key_end)
+        return ranges
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Writes the batch's keys/values into the cache and returns logits [logit rows, vocab] fp32."""
+        hidden = self.embed_tokens.embed(batch.token_ids)  # [rows, hidden]
+        if self.config.embedding_scale != 1.0:
+            hidden = hidden * self.config.embedding_scale
+        ranges = self.key_ranges(batch)
+        slots32 = batch.slots.to(torch.int32)
+        for index, layer in enumerate(self.layers):
+            attn_out = self._attention(index, layer, hidden, batch, cache, slots32, ranges[self.config.layer_type(index)])
+            hidden = hidden + attn_out
+            hidden = hidden + self._mlp(layer, hidden)
+        hidden = rms_norm(hidden[batch.logits_rows], self.norm, self.config.rms_norm_eps)
+        logits = self.lm_head(hidden)  # [logit rows, vocab]
+        if self.config.final_logit_softcap:
+            cap = self.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _attention(self, index, layer: DecoderLayer, hidden, batch: ForwardBatch, cache: KVCache, slots32, key_range):
+        config = self.config
+        rows = hidden.shape[0]
+        qkv = layer.qkv_proj(rms_norm(hidden, layer.attn_norm, config.rms_norm_eps))  # [rows, (H + 2 Hkv) * D]
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        query = qkv[:, :q_size].reshape(rows, config.num_heads, config.head_dim)
+        key = qkv[:, q_size : q_size + kv_size].reshape(rows, config.num_kv_heads, config.head_dim)
+        value = qkv[:, q_size + kv_size :].reshape(rows, config.num_kv_heads, config.head_dim)
+        if layer.q_norm is not None:
+            query = rms_norm(query, layer.q_norm, config.rms_norm_eps)
+            key = rms_norm(key, layer.k_norm, config.rms_norm_eps)
+        rotary = self.rotary[config.layer_rope_theta(index)]
+        query = rotary.apply(query, batch.positions)
+        key = rotary.apply(key, batch.positions)
+        cache.write(index, batch.slots, batch.positions, key, value)
+        key_start, key_end = key_range
+        context = attention(query.contiguous(), cache.keys[index], cache.values[index], slots32, key_start, key_end, config.scale)
+        out = layer.o_proj(context.reshape(rows, q_size))  # [rows, hidden]
+        if layer.post_attn_norm is not None:
+            out = rms_norm(out, layer.post_attn_norm, config.rms_norm_eps)
+        return out
+
+    def _mlp(self, layer: DecoderLayer, hidden):
+        gate_up = layer.gate_up_proj(rms_norm(hidden, layer.ffn_norm, self.config.rms_norm_eps))  # [rows, 2 * inter]
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = layer.down_proj(gated_activation(gate, up, self.config.activation).contiguous())
+        if layer.post_ffn_norm is not None:
+            out = rms_norm(out, layer.post_ffn_norm, self.config.rms_norm_eps)
+        return out

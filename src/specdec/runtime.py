@@ -1,0 +1,28 @@
+"""Loading a model for inference: resolve a name or path, read the checkpoint, build the transformer."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specdec.models.catalog import resolve_model
+from specdec.models.loader import load_checkpoint
+from specdec.models.tokenizer import Tokenizer
+from specdec.models.transformer import Transformer
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def configure_threads(num_threads: int | None = None) -> int:
+    """Uses every core for torch's intra-op pool unless told otherwise (SPECDEC_THREADS)."""
+    threads = num_threads or int(os.environ.get("SPECDEC_THREADS", "0")) or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    return threads
+
+
+def load_model(name_or_path: str, weight_format: str = "q8", device: torch.device | str = "cpu") -> tuple[Transformer, Tokenizer]:
+    checkpoint = load_checkpoint(resolve_model(name_or_path))
+    model = Transformer(checkpoint.config, checkpoint.tensors, weight_format=weight_format, device=device)
+    return model, checkpoint.tokenizer

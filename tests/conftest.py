@@ -1,0 +1,33 @@
+import pytest
+import torch
+
+from specdec.models.tokenizer import Tokenizer
+from specdec.models.transformer import Transformer
+from tiny_models import tiny_config, tiny_tensors, write_tiny_tokenizer
+
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_hf_dir(write_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer")))
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model():
+    """make_tiny_model(architecture, seed=0, weight_format="q8", **config overrides) -> Transformer (cached)."""
+    built = {}
+
+    def make(architecture: str, seed: int = 0, weight_format: str = "q8", **overrides) -> Transformer:
+        key = (architecture, seed, weight_format, tuple(sorted(overrides.items())))
+        if key not in built:
+            config = tiny_config(architecture, **overrides)
+            built[key] = Transformer(config, tiny_tensors(config, seed), weight_format=weight_format)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    torch.set_num_threads(2)

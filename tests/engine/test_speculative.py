@@ -1,0 +1,161 @@
+"""Speculative decoding end to end on tiny models: greedy output identical to plain output for every
+drafter (batch 1 and batch 4 of mixed lengths), and the sampled distribution equal to the target's."""
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec.cache.kv_cache import KVCache
+from specdec.config import SamplingParams
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.suffix import SuffixDrafter
+from specdec.engine.batch import ForwardBatch
+from specdec.engine.engine import Engine
+from specdec.engine.sequence import TokenKind
+from specdec.verify import rejection
+from specdec.verify.sampling import logits_to_probs
+
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
+METHODS = ("ngram", "suffix", "draft_model", "draft_model_same")
+# mixed lengths, with repetition so that n-gram and suffix drafts get accepted
+PROMPTS = [
+    [5, 17, 42, 5, 17, 42, 5, 17],
+    [99, 3, 250, 77, 12, 8, 130, 64, 201, 99, 3, 250, 77],
+    [33, 34],
+    [7, 180, 91, 45, 2, 160, 222, 1, 2, 3, 4, 5, 6, 7, 180, 91, 45, 2, 160],
+]
+
+
+def make_drafter(method, make_tiny_model, architecture, k_max_len=256, **overrides):
+    if method == "ngram":
+        return NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1)
+    if method == "suffix":
+        return SuffixDrafter(max_depth=16, min_token_prob=0.05, cache_requests=8)
+    draft_seed = 0 if method == "draft_model_same" else 1  # the target itself as draft: everything accepted
+    return DraftModelDrafter(make_tiny_model(architecture, seed=draft_seed, **overrides), max_num_seqs=4, max_model_len=k_max_len)
+
+
+def run(model, tokenizer, prompts, params, drafter=None, k=4, max_num_seqs=4, speculative=True):
+    engine = Engine(model, tokenizer, max_num_seqs=max_num_seqs, max_model_len=256, drafter=drafter,
+                    num_speculative_tokens=k if drafter else 0)
+    seqs = [engine.add_request(prompt, params, speculative=speculative) for prompt in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return seqs, engine
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculative_output_identical_to_plain(make_tiny_model, tiny_tokenizer, architecture, method, batch):
+    model = make_tiny_model(architecture)
+    params = SamplingParams(max_tokens=40)
+    prompts = PROMPTS[:batch] if batch > 1 else [PROMPTS[1]]
+    plain, _ = run(model, tiny_tokenizer, prompts, params)
+    spec, engine = run(model, tiny_tokenizer, prompts, params, make_drafter(method, make_tiny_model, architecture))
+    for plain_seq, spec_seq in zip(plain, spec):
+        assert spec_seq.output_token_ids == plain_seq.output_token_ids
+        assert spec_seq.finish_reason == plain_seq.finish_reason
+    assert engine.metrics.verify_steps > 0 and engine.metrics.drafted_tokens > 0
+    if method == "draft_model_same":
+        assert engine.metrics.acceptance_rate == 1.0
+        assert all(kind != TokenKind.RECOVERED for seq in spec for kind in seq.token_kinds)
+
+
+def test_speculation_accepts_drafts_and_labels_tokens(make_tiny_model, tiny_tokenizer):
+    model = make_tiny_model("qwen2")
+    seqs, engine = run(model, tiny_tokenizer, PROMPTS, SamplingParams(max_tokens=40),
+                       make_drafter("draft_model_same", make_tiny_model, "qwen2"), k=3)
+    kinds = Counter(kind for seq in seqs for kind in seq.token_kinds)
+    assert kinds[TokenKind.ACCEPTED] > 0 and kinds[TokenKind.BONUS] > 0
+    assert engine.metrics.mean_accepted_length > 3.0  # k=3 with every draft accepted: close to 4 tokens per step
+
+
+def test_speculation_opt_out_per_request(make_tiny_model, tiny_tokenizer):
+    model = make_tiny_model("llama")
+    seqs, engine = run(model, tiny_tokenizer, PROMPTS, SamplingParams(max_tokens=20), NgramDrafter(3, 1), speculative=False)
+    assert engine.metrics.verify_steps == 0 and all(seq.output_token_ids for seq in seqs)
+
+
+def test_stop_string_and_max_tokens_cut_exactly_like_plain(make_tiny_model, tiny_tokenizer):
+    model = make_tiny_model("qwen2")
+    plain, _ = run(model, tiny_tokenizer, PROMPTS, SamplingParams(max_tokens=30))
+    stop_text = plain[1].text[5:7]
+    params = SamplingParams(max_tokens=13, stop=(stop_text,))
+    plain, _ = run(model, tiny_tokenizer, PROMPTS, params)
+    spec, _ = run(model, tiny_tokenizer, PROMPTS, params, make_drafter("draft_model_same", make_tiny_model, "qwen2"), k=5)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert [s.text for s in spec] == [s.text for s in plain]
+    assert plain[1].finish_reason == "stop" and stop_text not in plain[1].text
+
+
+# ---- sampling: chi-square against the target's exact distribution ---------------------------------------
+SMALL_VOCAB = 8
+CHI_PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 4, 6, 1, 3, 5, 7]  # every token recurs: n-gram drafts always exist
+CHI_PARAMS = dict(temperature=1.0, max_tokens=4)
+CHI_SAMPLES = 4000
+
+
+def next_probs(model, tokens, params):
+    cache = KVCache(model.config, 1, 64)
+    logits = model.forward(ForwardBatch.build([tokens], [0], [0], all_logits=False), cache)
+    return logits_to_probs(logits, params)[0].double()  # [vocab]
+
+
+def exact_distribution_of_tokens_2_and_3(model, params):
+    """P(t2, t3) = sum_t1 P(t1) P(t2 | t1) P(t3 | t1, t2), enumerated with the target itself."""
+    first = next_probs(model, CHI_PROMPT, params)
+    joint = torch.zeros(SMALL_VOCAB, SMALL_VOCAB, dtype=torch.float64)
+    for t1 in range(SMALL_VOCAB):
+        second = next_probs(model, CHI_PROMPT + [t1], params)
+        for t2 in range(SMALL_VOCAB):
+            joint[t2] += first[t1] * second[t2] * next_probs(model, CHI_PROMPT + [t1, t2], params)
+    return joint
+
+
+def sampled_counts(model, tokenizer, drafter):
+    counts = Counter()
+    for start in range(0, CHI_SAMPLES, 32):
+        params = [SamplingParams(seed=seed, **CHI_PARAMS) for seed in range(start, start + 32)]
+        engine = Engine(model, tokenizer, max_num_seqs=32, max_model_len=64, drafter=drafter, num_speculative_tokens=3)
+        seqs = [engine.add_request(CHI_PROMPT, p) for p in params]
+        while engine.has_unfinished():
+            engine.step()
+        counts.update(tuple(seq.output_token_ids[1:3]) for seq in seqs)
+    return counts
+
+
+def chi_square_p_value(counts, joint):
+    cells = list(itertools.product(range(SMALL_VOCAB), repeat=2))
+    expected = torch.tensor([float(joint[c]) for c in cells]) * CHI_SAMPLES
+    observed = torch.tensor([float(counts[c]) for c in cells])
+    big = expected >= 5  # pool the rare cells into one
+    expected_bins = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    observed_bins = torch.cat([observed[big], observed[~big].sum(0, keepdim=True)])
+    observed_bins = observed_bins * expected_bins.sum() / observed_bins.sum()
+    return chisquare(observed_bins.numpy(), expected_bins.numpy()).pvalue
+
+
+@pytest.fixture(scope="module")
+def small_vocab_models(make_tiny_model):
+    target = make_tiny_model("qwen2", seed=3, vocab_size=SMALL_VOCAB)
+    draft = make_tiny_model("qwen2", seed=4, vocab_size=SMALL_VOCAB)
+    return target, draft, exact_distribution_of_tokens_2_and_3(target, SamplingParams(**CHI_PARAMS))
+
+
+@pytest.mark.parametrize("drafter_kind", ["draft_model", "point_mass"])
+def test_speculative_sampling_matches_target_distribution(small_vocab_models, tiny_tokenizer, drafter_kind):
+    target, draft, joint = small_vocab_models
+    drafter = DraftModelDrafter(draft, 32, 64) if drafter_kind == "draft_model" else NgramDrafter(2, 1)
+    assert chi_square_p_value(sampled_counts(target, tiny_tokenizer, drafter), joint) > 1e-3
+
+
+@pytest.mark.parametrize("drafter_kind", ["draft_model", "point_mass"])
+def test_chi_square_detects_a_wrong_residual(small_vocab_models, tiny_tokenizer, monkeypatch, drafter_kind):
+    target, draft, joint = small_vocab_models
+    monkeypatch.setattr(rejection, "residual_probs", lambda target_probs, draft_probs: target_probs)
+    drafter = DraftModelDrafter(draft, 32, 64) if drafter_kind == "draft_model" else NgramDrafter(2, 1)
+    assert chi_square_p_value(sampled_counts(target, tiny_tokenizer, drafter), joint) < 1e-6

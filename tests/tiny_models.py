@@ -1,0 +1,71 @@
+"""Tiny random-weight models of each architecture, made in the tests (no downloads)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+from specdec.models.config import ModelConfig
+
+TINY_VOCAB = 300  # 256 byte tokens, <bos>, <eos>, then unused ids
+
+
+def tiny_config(architecture: str, **overrides) -> ModelConfig:
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                  num_kv_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
+    per_arch = {
+        "llama": dict(rope_theta=10000.0, tie_word_embeddings=True),
+        "qwen2": dict(rope_theta=1e6, qkv_bias=True),
+        "gemma3": dict(rope_theta=1e6, rope_local_theta=1e4, layer_types=("sliding", "sliding", "full"), sliding_window=8,
+                       qk_norm=True, post_norms=True, embedding_scale=0.3, activation="gelu_tanh",
+                       tie_word_embeddings=True, attention_scale=16**-0.5),
+    }
+    return ModelConfig(architecture=architecture, name=f"tiny-{architecture}", **{**common, **per_arch[architecture], **overrides})
+
+
+def tiny_tensors(config: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=generator) * scale / shape[-1] ** 0.5  # noqa: E731
+    norm = lambda dim: 1.0 + 0.1 * torch.randn(dim, generator=generator)  # noqa: E731
+    hidden, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    tensors = {"embed_tokens": torch.randn(config.vocab_size, hidden, generator=generator), "norm": norm(hidden)}
+    if not config.tie_word_embeddings:
+        tensors["lm_head"] = randn(config.vocab_size, hidden) * 8
+    for i in range(config.num_layers):
+        prefix = f"layers.{i}."
+        tensors.update({
+            prefix + "attn_norm": norm(hidden), prefix + "ffn_norm": norm(hidden),
+            prefix + "q_proj": randn(q_dim, hidden) * 4, prefix + "k_proj": randn(kv_dim, hidden) * 4,
+            prefix + "v_proj": randn(kv_dim, hidden) * 4, prefix + "o_proj": randn(hidden, q_dim) * 4,
+            prefix + "gate_proj": randn(config.intermediate_size, hidden), prefix + "up_proj": randn(config.intermediate_size, hidden),
+            prefix + "down_proj": randn(hidden, config.intermediate_size) * 8,
+        })
+        if config.qkv_bias:
+            tensors.update({prefix + "q_proj.bias": 0.1 * torch.randn(q_dim, generator=generator),
+                            prefix + "k_proj.bias": 0.1 * torch.randn(kv_dim, generator=generator),
+                            prefix + "v_proj.bias": 0.1 * torch.randn(kv_dim, generator=generator)})
+        if config.qk_norm:
+            tensors.update({prefix + "q_norm": norm(config.head_dim), prefix + "k_norm": norm(config.head_dim)})
+        if config.post_norms:
+            tensors.update({prefix + "post_attn_norm": norm(hidden), prefix + "post_ffn_norm": norm(hidden)})
+    return tensors
+
+
+def write_tiny_tokenizer(directory: Path) -> Path:
+    """A byte-level tokenizer: ids 0..255 are bytes, 256 <bos>, 257 <eos>; the rest unused."""
+    byte_tokens = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(sorted(byte_tokens, key=lambda t: ord(t)))}
+    tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<bos>", "<eos>"])
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True,
+        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+    }))
+    return directory
