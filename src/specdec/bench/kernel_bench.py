@@ -1,0 +1,129 @@
+"""Benchmark of the q8 linear kernel vs torch bf16 / fp32 F.linear.
+
+    python -m specdec.bench.kernel_bench [--threads 2] [--shapes 640x1024,...] [--ms 1,2,4,8,16]
+
+Per shape (in x out) and row count M: median wall time of q8_linear, T(M)/T(1),
+GB/s of weight bytes (int8 weight for q8, 2 B/elem bf16, 4 B/elem fp32), and the
+same for F.linear in bf16 and fp32.  Also: per-call overhead on tiny shapes and
+attention timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from specdec.kernels import ops
+
+SHAPES = [
+    (640, 1024),
+    (640, 256),
+    (1024, 640),
+    (640, 4096),
+    (2048, 640),
+    (640, 262144),
+    (1536, 1792),
+    (1536, 1536),
+    (1536, 17920),
+    (8960, 1536),
+    (1536, 151936),
+]
+
+
+def _median_time(fn, min_reps: int = 5, max_reps: int = 200, budget_s: float = 0.4) -> float:
+    fn()
+    ts: list[float] = []
+    t_end = time.perf_counter() + budget_s
+    while len(ts) < min_reps or (len(ts) < max_reps and time.perf_counter() < t_end):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def bench_linear(shapes, ms, baselines=True):
+    print(f"\n== q8_linear (isa={ops.kernel_isa()}, threads={torch.get_num_threads()}) ==")
+    hdr = f"{'shape KxN':>14} {'impl':>5} " + " ".join(f"{'M=' + str(m):>9}" for m in ms)
+    hdr += f" {'T8/T1':>6} {'GB/s@1':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    results = []
+    for k, n in shapes:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(n, k, generator=g) * 0.05
+        qw = ops.quantize_weight(w)
+        impls = [("q8", lambda x, qw=qw: ops.q8_linear(x, qw), n * k)]
+        if baselines:
+            wb = w.to(torch.bfloat16)
+            impls.append(("bf16", lambda x, wb=wb: F.linear(x.to(torch.bfloat16), wb), 2 * n * k))
+            impls.append(("fp32", lambda x, w=w: F.linear(x, w), 4 * n * k))
+        for name, fn, nbytes in impls:
+            times = {}
+            for m in ms:
+                x = torch.randn(m, k, generator=g)
+                times[m] = _median_time(lambda: fn(x))
+            t1 = times[ms[0]]
+            ratio = times[8] / t1 if 8 in times else float("nan")
+            row = f"{k:>6}x{n:<7} {name:>5} " + " ".join(f"{times[m] * 1e3:8.3f}m" for m in ms)
+            row += f" {ratio:6.2f} {nbytes / t1 / 1e9:7.1f}"
+            print(row, flush=True)
+            results.append((k, n, name, times))
+        del impls
+    return results
+
+
+def bench_overhead():
+    print("\n== per-call overhead (M=1) ==")
+    for k, n in [(64, 64), (640, 256), (640, 1024)]:
+        qw = ops.quantize_weight(torch.randn(n, k))
+        x = torch.randn(1, k)
+        t = _median_time(lambda: ops.q8_linear(x, qw), min_reps=200, max_reps=5000, budget_s=0.5)
+        wd = qw.dequantize()
+        tb = _median_time(lambda: F.linear(x, wd), min_reps=200, max_reps=5000, budget_s=0.3)
+        print(f"{k:>6}x{n:<6} q8_linear {t * 1e6:7.2f} us   (fp32 F.linear {tb * 1e6:7.2f} us)")
+
+
+def bench_attention():
+    print("\n== attention (M rows, one slot, causal block after a context of L keys) ==")
+    for hq, hkv, d in [(4, 1, 256), (12, 2, 128), (9, 3, 64)]:
+        for ctx in (512, 4096):
+            kc = torch.randn(2, hkv, ctx + 16, d)
+            vc = torch.randn_like(kc)
+            row = []
+            for m in (1, 8):
+                q = torch.randn(m, hq, d)
+                slots = torch.zeros(m, dtype=torch.int32)
+                ks = torch.zeros(m, dtype=torch.int32)
+                ke = torch.arange(ctx + 1, ctx + m + 1, dtype=torch.int32)
+                t = _median_time(lambda: ops.attention(q, kc, vc, slots, ks, ke, 1 / math.sqrt(d)))
+                row.append(f"M={m}: {t * 1e6:8.1f} us")
+            print(f"Hq={hq:>2} Hkv={hkv} D={d:>3} ctx={ctx:>5}  " + "  ".join(row), flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--shapes", default="", help="comma list of KxN (default: the model shapes)")
+    p.add_argument("--ms", default="1,2,4,8,16")
+    p.add_argument("--no-baselines", action="store_true", help="skip bf16/fp32 F.linear")
+    p.add_argument("--skip-attention", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ops.build_kernels()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+    ms = [int(v) for v in args.ms.split(",")]
+    bench_overhead()
+    bench_linear(shapes, ms, baselines=not args.no_baselines)
+    if not args.skip_attention:
+        bench_attention()
+
+
+if __name__ == "__main__":
+    main()

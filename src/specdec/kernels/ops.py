@@ -1,0 +1,325 @@
+"""Row-invariant CPU kernels: int8 weight-only linear and range attention.
+
+The compiled extension (``q8_kernels.cpp``) is built lazily with
+``torch.utils.cpp_extension.load`` on first use (or eagerly via
+:func:`build_kernels`) into ``$XDG_CACHE_HOME/specdec/kernels/<hash>``.
+
+Guarantees of the CPU kernel (AVX-512 VNNI or the portable scalar path, which
+performs the same operations lane by lane and is bitwise identical):
+
+* every output element is computed with a fixed reduction order that does not
+  depend on the number of rows M, on the contents of the other rows, or on the
+  number of threads -> a row's result is bitwise identical alone or in a block;
+* a q8_linear call streams the weight once for all rows (M <= ~100), so a call
+  with 8 rows costs about the same as with 1 row.
+
+The fallback (tensors on CUDA, or extension unavailable) uses plain torch ops
+(F.linear on a cached dequantized weight; a masked softmax attention).  It is
+numerically close but NOT bitwise row invariant and does not quantize the
+activations.
+
+Set ``SPECDEC_DISABLE_KERNELS=1`` to force the fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "QuantizedWeight",
+    "quantize_weight",
+    "q8_linear",
+    "attention",
+    "embedding",
+    "kernels_available",
+    "build_kernels",
+    "kernel_isa",
+]
+
+_SRC = Path(__file__).with_name("q8_kernels.cpp")
+_CFLAGS = ["-O3", "-ffp-contract=off"]
+GROUP = 512  # 16 blocks of 32, interleaved (see q8_kernels.cpp)
+CHUNK = 64  # K is padded to a multiple of CHUNK
+BLOCK = 32  # activation quantization block
+
+
+# --------------------------------------------------------------------------- build / load
+
+
+def _build_dir() -> tuple[str, str]:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    h = hashlib.sha256()
+    h.update(_SRC.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(" ".join(_CFLAGS).encode())
+    digest = h.hexdigest()[:16]
+    return os.path.join(base, "specdec", "kernels", digest), digest
+
+
+@functools.cache
+def _build(verbose: bool = False):
+    from torch.utils.cpp_extension import load
+
+    path, digest = _build_dir()
+    os.makedirs(path, exist_ok=True)
+    return load(
+        name=f"specdec_q8_{digest}",
+        sources=[str(_SRC)],
+        extra_cflags=_CFLAGS,
+        build_directory=path,
+        verbose=verbose,
+    )
+
+
+def build_kernels(verbose: bool = False):
+    """Compile (if needed) and load the extension; raises on failure."""
+    return _build(verbose)
+
+
+@functools.cache
+def _load():
+    """The loaded extension module, or None (disabled / build failed)."""
+    if os.environ.get("SPECDEC_DISABLE_KERNELS", "") not in ("", "0"):
+        return None
+    try:
+        return _build()
+    except Exception as exc:  # pragma: no cover - depends on the toolchain
+        warnings.warn(f"specdec kernels unavailable, using torch fallback: {exc}", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def kernels_available() -> bool:
+    """True if the compiled extension is loaded on this machine (builds it on first call)."""
+    return _load() is not None
+
+
+def kernel_isa() -> str:
+    """'avx512vnni', 'scalar' (compiled portable path) or 'torch' (fallback)."""
+    ext = _load()
+    return "torch" if ext is None else ext.isa()
+
+
+def _set_force_scalar(flag: bool) -> None:
+    """Testing hook: force the portable scalar C++ path."""
+    ext = _load()
+    if ext is not None:
+        ext.set_force_scalar(bool(flag))
+
+
+# --------------------------------------------------------------------------- weight layout
+
+
+@functools.cache
+def _pack_index(kp: int) -> torch.Tensor:
+    """packed[:, p] = natural[:, idx[p]] for a row padded to kp (multiple of 64)."""
+    idx = torch.arange(kp, dtype=torch.long)
+    g = kp // GROUP
+    if g:
+        u = torch.arange(g).view(g, 1, 1, 1)
+        j = torch.arange(8).view(1, 8, 1, 1)
+        lane = torch.arange(16).view(1, 1, 16, 1)
+        b = torch.arange(4).view(1, 1, 1, 4)
+        idx[: g * GROUP] = ((u * 16 + lane) * BLOCK + 4 * j + b).reshape(-1)
+    return idx
+
+
+@functools.cache
+def _unpack_index(kp: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """natural[:, k] = packed[:, inv[k]]."""
+    idx = _pack_index(kp)
+    inv = torch.empty_like(idx)
+    inv[idx] = torch.arange(kp, dtype=torch.long)
+    return inv.to(device)
+
+
+NR = 4  # weight rows per kernel tile
+
+
+def _tile(packed: torch.Tensor) -> torch.Tensor:
+    """Per-row packed [N, Kp] -> tile-interleaved memory (same shape, see QuantizedWeight)."""
+    n, kp = packed.shape
+    nf = n // NR * NR
+    out = torch.empty_like(packed)
+    out[:nf] = packed[:nf].view(nf // NR, NR, kp // CHUNK, CHUNK).transpose(1, 2).reshape(nf, kp)
+    out[nf:] = packed[nf:]
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """Symmetric per-output-row int8 weight.
+
+    ``qweight`` is ``[out_features, in_padded]`` **uint8** holding ``q + 128``
+    (q in [-127, 127]) in the kernel's packed order, so that the kernel reads
+    the weight as one sequential stream:
+
+    * columns: K is zero padded (byte 128) to a multiple of 64; inside every
+      run of 512 columns the columns are interleaved so that one 64-byte
+      vector holds 4 values of each of 16 blocks of 32 (see
+      ``q8_kernels.cpp``); the trailing ``in_padded % 512`` columns stay in
+      natural order;
+    * rows: every tile of 4 consecutive rows is stored chunk-interleaved
+      (memory order [tile][Kp/64 chunks][4 rows][64 bytes]); the last
+      ``N % 4`` rows are stored plainly.  So ``qweight[i]`` is NOT row i:
+      use :meth:`int8` for natural-order signed values and :meth:`from_int8`
+      to build one from natural int8 data.
+    ``scale`` is ``[out_features]`` fp32; ``w ~= q * scale``.
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    in_features: int
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_padded(self) -> int:
+        return self.qweight.shape[1]
+
+    @classmethod
+    def from_int8(cls, q: torch.Tensor, scale: torch.Tensor) -> "QuantizedWeight":
+        """Pack natural-order int8 ``q`` [N, K] (values in [-127, 127]) and fp32 ``scale`` [N]."""
+        n, k = q.shape
+        kp = -(-k // CHUNK) * CHUNK
+        u8 = torch.full((n, kp), 128, dtype=torch.uint8, device=q.device)
+        u8[:, :k] = (q.to(torch.int16) + 128).to(torch.uint8)
+        idx = _pack_index(kp).to(q.device)
+        packed = _tile(u8.index_select(1, idx))
+        return cls(packed, scale.to(torch.float32).contiguous(), k)
+
+    def int8(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Natural-order signed weights [N (or len(rows)), in_features] int8."""
+        n, kp = self.qweight.shape
+        nf = n // NR * NR
+        if rows is None:
+            rows = torch.arange(n, device=self.qweight.device)
+        rows = rows.to(device=self.qweight.device, dtype=torch.long)
+        tiles = self.qweight[:nf].view(nf // NR, kp // CHUNK, NR, CHUNK)
+        full = rows < nf
+        qw = torch.empty(rows.numel(), kp, dtype=torch.uint8, device=self.qweight.device)
+        if bool(full.any()):
+            r = rows[full]
+            qw[full] = tiles[r // NR, :, r % NR, :].reshape(-1, kp)
+        if not bool(full.all()):
+            qw[~full] = self.qweight[rows[~full]]
+        inv = _unpack_index(self.in_padded, qw.device)[: self.in_features]
+        return (qw.index_select(1, inv).to(torch.int16) - 128).to(torch.int8)
+
+    def dequantize(self) -> torch.Tensor:
+        """[out_features, in_features] fp32."""
+        return self.int8().to(torch.float32) * self.scale[:, None]
+
+    def _dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (dtype, device)
+        w = self._cache.get(key)
+        if w is None:
+            w = self.dequantize().to(device=device, dtype=dtype)
+            self._cache[key] = w
+        return w
+
+
+def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric per-row int8: scale = amax/127, q = round(w / scale) (half to even)."""
+    assert weight.dim() == 2, "weight must be [out_features, in_features]"
+    w = weight.detach()
+    n, k = w.shape
+    kp = -(-k // CHUNK) * CHUNK
+    scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    u8 = torch.full((n, kp), 128, dtype=torch.uint8, device=w.device)
+    step = max(1, (1 << 24) // max(1, k))  # bound the fp32 temporaries
+    for r0 in range(0, n, step):
+        wr = w[r0 : r0 + step].to(torch.float32)
+        s = wr.abs().amax(dim=1) / 127.0
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round(wr / safe[:, None]).clamp_(-127, 127)
+        u8[r0 : r0 + step, :k] = (q + 128).to(torch.uint8)
+        scale[r0 : r0 + step] = s
+    idx = _pack_index(kp).to(w.device)
+    packed = _tile(u8.index_select(1, idx))
+    return QuantizedWeight(packed, scale, k)
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def q8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] fp32 -> [..., N] fp32.  Bitwise row invariant on the CPU kernel."""
+    if x.device.type == "cpu":
+        ext = _load()
+        if ext is not None:
+            if x.dim() == 2:
+                return ext.q8_linear(x, weight.qweight, weight.scale, bias, weight.in_features)
+            shape = x.shape
+            y = ext.q8_linear(x.reshape(-1, shape[-1]), weight.qweight, weight.scale, bias, weight.in_features)
+            return y.view(*shape[:-1], y.shape[-1])
+    return _q8_linear_torch(x, weight, bias)
+
+
+def _q8_linear_torch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    w = weight._dense(dtype, x.device)
+    y = F.linear(x.to(dtype), w, None if bias is None else bias.to(device=x.device, dtype=dtype))
+    return y.to(torch.float32)
+
+
+def attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    key_start: torch.Tensor,
+    key_end: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Range attention.
+
+    q [M, Hq, D]; k_cache, v_cache [S, Hkv, L, D]; slots, key_start, key_end int32 [M].
+    Row m attends keys ``key_start[m] .. key_end[m]-1`` of slot ``slots[m]``; head h uses
+    kv head ``h // (Hq // Hkv)``.  Returns [M, Hq, D] fp32 (zeros for an empty range).
+    """
+    if q.device.type == "cpu":
+        ext = _load()
+        if ext is not None:
+            return ext.attention(q, k_cache, v_cache, slots, key_start, key_end, float(scale))
+    return _attention_torch(q, k_cache, v_cache, slots, key_start, key_end, scale)
+
+
+def _attention_torch(q, k_cache, v_cache, slots, key_start, key_end, scale) -> torch.Tensor:
+    m, hq, d = q.shape
+    _, hkv, length, _ = k_cache.shape
+    g = hq // hkv
+    slots = slots.to(device=q.device, dtype=torch.long)
+    n = int((key_end - key_start).max().item()) if m else 0
+    if n <= 0:
+        return torch.zeros(m, hq, d, dtype=torch.float32, device=q.device)
+    pos = key_start.to(device=q.device, dtype=torch.long)[:, None] + torch.arange(n, device=q.device)
+    valid = pos < key_end.to(device=q.device, dtype=torch.long)[:, None]
+    pos = pos.clamp(max=length - 1)
+    # gather [M, Hkv, n, D]
+    k = k_cache.float()[slots[:, None, None], torch.arange(hkv, device=q.device)[None, :, None], pos[:, None, :]]
+    v = v_cache.float()[slots[:, None, None], torch.arange(hkv, device=q.device)[None, :, None], pos[:, None, :]]
+    k = k.repeat_interleave(g, dim=1)
+    v = v.repeat_interleave(g, dim=1)
+    s = torch.einsum("mhd,mhnd->mhn", q.float(), k) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)  # empty ranges
+    return torch.einsum("mhn,mhnd->mhd", p, v)
+
+
+def embedding(token_ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """[n] token ids -> [n, in_features] fp32 dequantized rows."""
+    ids = token_ids.reshape(-1).to(device=weight.qweight.device, dtype=torch.long)
+    rows = weight.int8(ids).to(torch.float32) * weight.scale.index_select(0, ids)[:, None]
+    return rows.view(*token_ids.shape, weight.in_features)

@@ -1,0 +1,623 @@
+// specdec q8 kernels: int8 weight-only linear (Q8_0-style activations) and
+// range attention, with a reduction order per output element that does not
+// depend on the number of rows M, on the other rows, or on the thread count.
+//
+// Weight layout ("packed", see ops.py): qweight [N, Kp] uint8, value = q + 128,
+// Kp = K rounded up to a multiple of 64 (zero padded, i.e. byte 128).
+// A row is a sequence of "units":
+//   * G = Kp / 512 groups of 16 blocks (512 values).  Inside a group, byte
+//     u*512 + j*64 + l*4 + b holds natural column (u*16 + l)*32 + 4*j + b
+//     (j = 0..7, lane l = 0..15, b = 0..3): one zmm of a group holds 4 bytes
+//     of each of 16 blocks, so 8 vpdpbusd accumulate the exact int32 dot of
+//     16 blocks in the 16 lanes.
+//   * T = (Kp % 512) / 64 tail chunks of 2 blocks (64 values), natural order:
+//     lanes 0-7 belong to block A, lanes 8-15 to block B.
+// Rows are stored in tiles of 4: memory order [tile][Kp/64 chunks][4 rows][64 B],
+// so one tile is read as a single sequential stream (the hardware prefetcher
+// handles one long stream much better than 4 short ones); the last N % 4 rows
+// are stored as plain rows.
+// Activations are quantized per row and block of 32 (scale = amax/127, round
+// to nearest even) into the same layout.  For every unit the accumulator is
+// initialised with -128 * sum(x_block) in one lane per block, which cancels
+// the +128 bias of the unsigned weights exactly.  Then
+//   facc[lane] = fma(float(iacc[lane]), xscale[lane], facc[lane])
+// and y = hsum16(facc) * wscale[n] (+ bias[n]), hsum16 a fixed tree.
+// The scalar path performs exactly the same operations lane by lane, so both
+// paths give bitwise identical results.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define SPECDEC_X86 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 512;
+constexpr int64_t kChunk = 64;
+
+bool g_force_scalar = false;
+
+bool cpu_has_avx512vnni() {
+#ifdef SPECDEC_X86
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                         __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+inline bool use_avx() { return !g_force_scalar && cpu_has_avx512vnni(); }
+
+// --------------------------------------------------------------------------
+// fixed-order helpers (scalar emulation of the SIMD trees)
+
+inline float hsum16_scalar(const float* a) {
+  float t8[8], t4[4];
+  for (int i = 0; i < 8; ++i) t8[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) t4[i] = t8[i] + t8[i + 4];
+  float t0 = t4[0] + t4[2];
+  float t1 = t4[1] + t4[3];
+  return t0 + t1;
+}
+
+// Cephes-style expf, same operation sequence as exp16_avx.
+constexpr float kExpLo = -87.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kC1 = 0.693359375f;
+constexpr float kC2 = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500E-4f, kP1 = 1.3981999507E-3f, kP2 = 8.3334519073E-3f,
+                kP3 = 4.1665795894E-2f, kP4 = 1.6666665459E-1f, kP5 = 5.0000001201E-1f;
+
+inline float exp_scalar(float x) {
+  const float xc = std::max(x, kExpLo);
+  const float fx = std::nearbyint(xc * kLog2e);
+  float r = std::fma(fx, -kC1, xc);
+  r = std::fma(fx, -kC2, r);
+  const float r2 = r * r;
+  float y = kP0;
+  y = std::fma(y, r, kP1);
+  y = std::fma(y, r, kP2);
+  y = std::fma(y, r, kP3);
+  y = std::fma(y, r, kP4);
+  y = std::fma(y, r, kP5);
+  y = std::fma(y, r2, r);
+  y = y + 1.0f;
+  const int32_t n = static_cast<int32_t>(fx);
+  const int32_t bits = (n + 127) << 23;
+  float p2;
+  std::memcpy(&p2, &bits, 4);
+  y = y * p2;
+  return x < kExpLo ? 0.0f : y;
+}
+
+// --------------------------------------------------------------------------
+// thread-local 64-byte aligned scratch
+
+struct Scratch {
+  std::unique_ptr<uint8_t[]> mem;
+  size_t cap = 0;
+  uint8_t* get(size_t bytes) {
+    if (bytes + 64 > cap) {
+      cap = std::max(bytes + 64, cap * 2);
+      mem.reset(new uint8_t[cap]);
+    }
+    uintptr_t p = reinterpret_cast<uintptr_t>(mem.get());
+    return reinterpret_cast<uint8_t*>((p + 63) & ~uintptr_t(63));
+  }
+};
+
+inline size_t align64(size_t v) { return (v + 63) & ~size_t(63); }
+
+struct Layout {
+  int64_t Kp, G, T, U;
+  explicit Layout(int64_t kp) : Kp(kp), G(kp / kGroup), T((kp % kGroup) / kChunk), U(G + T) {}
+};
+
+// Quantize activation rows [m0, m1) into the packed layout.
+void quantize_rows(const float* x, int64_t K, const Layout& L, int64_t m0, int64_t m1, int8_t* xq,
+                   int32_t* corr, float* xs) {
+  const int64_t ldc = L.U * 16;
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * K;
+    int8_t* qr = xq + m * L.Kp;
+    int32_t* cr = corr + m * ldc;
+    float* sr = xs + m * ldc;
+    std::memset(cr, 0, sizeof(int32_t) * ldc);
+    for (int64_t u = 0; u < L.U; ++u) {
+      const bool group = u < L.G;
+      const int nb = group ? 16 : 2;
+      const int64_t b0 = group ? u * 16 : L.G * 16 + (u - L.G) * 2;
+      for (int l = 0; l < nb; ++l) {
+        const int64_t k0 = (b0 + l) * 32;
+        const int64_t kn = std::max<int64_t>(0, std::min<int64_t>(32, K - k0));
+        float amax = 0.0f;
+        for (int64_t i = 0; i < kn; ++i) amax = std::max(amax, std::fabs(xr[k0 + i]));
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t q[32];
+        int32_t sum = 0;
+        for (int i = 0; i < 32; ++i) {
+          int v = 0;
+          if (i < kn) {
+            float r = std::nearbyint(xr[k0 + i] * id);
+            r = std::min(127.0f, std::max(-127.0f, r));
+            v = static_cast<int>(r);
+          }
+          q[i] = static_cast<int8_t>(v);
+          sum += v;
+        }
+        if (group) {
+          for (int j = 0; j < 8; ++j)
+            for (int b = 0; b < 4; ++b) qr[u * kGroup + j * 64 + l * 4 + b] = q[4 * j + b];
+          cr[u * 16 + l] = -128 * sum;
+          sr[u * 16 + l] = d;
+        } else {
+          std::memcpy(qr + L.G * kGroup + (u - L.G) * kChunk + l * 32, q, 32);
+          cr[u * 16 + l * 8] = -128 * sum;
+          for (int i = 0; i < 8; ++i) sr[u * 16 + l * 8 + i] = d;
+        }
+      }
+    }
+  }
+}
+
+// --------------------------------------------------------------------------
+// scalar linear tile (one weight row x one activation row)
+
+// w: first chunk of the row, cs: byte distance between consecutive 64-byte chunks
+void dot_row_scalar(const uint8_t* w, int64_t cs, const int8_t* x, const int32_t* corr, const float* xs, const Layout& L,
+                    float wscale, const float* bias, float* y) {
+  float fa[16] = {0};
+  int32_t ia[16];
+  for (int64_t u = 0; u < L.U; ++u) {
+    const int steps = u < L.G ? 8 : 1;
+    const int64_t off = u < L.G ? u * kGroup : L.G * kGroup + (u - L.G) * kChunk;
+    for (int l = 0; l < 16; ++l) ia[l] = corr[u * 16 + l];
+    for (int j = 0; j < steps; ++j) {
+      const uint8_t* wp = w + (off / 64 + j) * cs;
+      const int8_t* xp = x + off + j * 64;
+      for (int l = 0; l < 16; ++l) {
+        int32_t s = 0;
+        for (int b = 0; b < 4; ++b) s += int32_t(wp[l * 4 + b]) * int32_t(xp[l * 4 + b]);
+        ia[l] += s;
+      }
+    }
+    for (int l = 0; l < 16; ++l) fa[l] = std::fma(static_cast<float>(ia[l]), xs[u * 16 + l], fa[l]);
+  }
+  float v = hsum16_scalar(fa) * wscale;
+  if (bias) v = v + *bias;
+  *y = v;
+}
+
+// scalar attention for one (row, head)
+void attn_row_scalar(const float* q, const float* Kb, const float* Vb, int64_t n, int64_t D, float scale,
+                     float* out, float* sbuf) {
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    float acc[16] = {0};
+    const float* k = Kb + j * D;
+    for (int64_t d0 = 0; d0 < D; d0 += 16)
+      for (int l = 0; l < 16 && d0 + l < D; ++l) acc[l] = std::fma(q[d0 + l], k[d0 + l], acc[l]);
+    const float s = hsum16_scalar(acc) * scale;
+    sbuf[j] = s;
+    mx = std::max(mx, s);
+  }
+  float ps[16] = {0};
+  for (int64_t j0 = 0; j0 < n; j0 += 16)
+    for (int l = 0; l < 16 && j0 + l < n; ++l) {
+      const float e = exp_scalar(sbuf[j0 + l] - mx);
+      sbuf[j0 + l] = e;
+      ps[l] = ps[l] + e;
+    }
+  const float sum = hsum16_scalar(ps);
+  for (int64_t d = 0; d < D; ++d) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < n; ++j) acc = std::fma(sbuf[j], Vb[j * D + d], acc);
+    out[d] = acc / sum;
+  }
+}
+
+}  // namespace
+
+// --------------------------------------------------------------------------
+// AVX-512 VNNI path
+
+#ifdef SPECDEC_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,avx2")
+namespace {
+
+inline float hsum16_avx(__m512 a) {
+  const __m256 lo = _mm512_castps512_ps256(a);
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+  const __m256 s8 = _mm256_add_ps(lo, hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  const __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+  return _mm_cvtss_f32(s1);
+}
+
+inline __m512 exp16_avx(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(kExpLo));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(fx, _mm512_set1_ps(-kC1), xc);
+  r = _mm512_fmadd_ps(fx, _mm512_set1_ps(-kC2), r);
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  __m512 y = _mm512_set1_ps(kP0);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP1));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP2));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP3));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP4));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP5));
+  y = _mm512_fmadd_ps(y, r2, r);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  const __m512i n = _mm512_cvttps_epi32(fx);
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23);
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLo), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(y, under, _mm512_setzero_ps());
+}
+
+// NR weight rows x MR activation rows, full K.
+template <int NR, int MR>
+inline void tile_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
+                     const float* wscale, const float* bias, float* y, int64_t ldy) {
+  const int64_t Kp = L.Kp;
+  const int64_t ldc = L.U * 16;
+  // W is the tile base: chunk q of row n is at W + (q * NR + n) * 64
+  __m512 fa[NR][MR];
+#pragma GCC unroll 16
+  for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) fa[n][m] = _mm512_setzero_ps();
+
+  for (int64_t u = 0; u < L.G; ++u) {
+    __m512i ia[NR][MR];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512i c = _mm512_loadu_si512(corr + m * ldc + u * 16);
+#pragma GCC unroll 16
+      for (int n = 0; n < NR; ++n) ia[n][m] = c;
+    }
+    const uint8_t* wp = W + u * kGroup * NR;
+    const int8_t* xp = X + u * kGroup;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m512i w[NR];
+#pragma GCC unroll 16
+      for (int n = 0; n < NR; ++n) {
+        w[n] = _mm512_loadu_si512(wp + (j * NR + n) * 64);
+      }
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xv = _mm512_loadu_si512(xp + m * Kp + j * 64);
+#pragma GCC unroll 16
+        for (int n = 0; n < NR; ++n) ia[n][m] = _mm512_dpbusd_epi32(ia[n][m], w[n], xv);
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512 s = _mm512_loadu_ps(xs + m * ldc + u * 16);
+#pragma GCC unroll 16
+      for (int n = 0; n < NR; ++n) fa[n][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[n][m]), s, fa[n][m]);
+    }
+  }
+  for (int64_t t = 0; t < L.T; ++t) {
+    const int64_t u = L.G + t;
+    const int64_t off = L.G * kGroup + t * kChunk;
+    __m512i w[NR];
+#pragma GCC unroll 16
+    for (int n = 0; n < NR; ++n) {
+      w[n] = _mm512_loadu_si512(W + off * NR + n * 64);
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512i c = _mm512_loadu_si512(corr + m * ldc + u * 16);
+      const __m512i xv = _mm512_loadu_si512(X + m * Kp + off);
+      const __m512 s = _mm512_loadu_ps(xs + m * ldc + u * 16);
+#pragma GCC unroll 16
+      for (int n = 0; n < NR; ++n)
+        fa[n][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, w[n], xv)), s, fa[n][m]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+    for (int n = 0; n < NR; ++n) {
+      float v = hsum16_avx(fa[n][m]) * wscale[n];
+      if (bias) v = v + bias[n];
+      y[m * ldy + n] = v;
+    }
+}
+
+template <int NR>
+inline void tile_avx_mr(int mr, const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs,
+                        const Layout& L, const float* wscale, const float* bias, float* y, int64_t ldy) {
+  switch (mr) {
+    case 1: tile_avx<NR, 1>(W, X, corr, xs, L, wscale, bias, y, ldy); break;
+    case 2: tile_avx<NR, 2>(W, X, corr, xs, L, wscale, bias, y, ldy); break;
+    default: tile_avx<NR, 3>(W, X, corr, xs, L, wscale, bias, y, ldy); break;
+  }
+}
+
+// process weight rows [n0, n1) x activation rows [m0, m1)
+void linear_block_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
+                      const float* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
+                      int64_t m0, int64_t m1) {
+  const int64_t ldc = L.U * 16;
+  constexpr int NR = 4;
+  constexpr int MR = 3;
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t nr = std::min<int64_t>(NR, n1 - n);
+    for (int64_t m = m0; m < m1; m += MR) {
+      const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+      const int8_t* xp = X + m * L.Kp;
+      const int32_t* cp = corr + m * ldc;
+      const float* sp = xs + m * ldc;
+      if (nr == NR) {
+        // full tiles are tile-interleaved, the last N % 4 rows are plain rows
+        tile_avx_mr<NR>(mr, W + n * L.Kp, xp, cp, sp, L, wscale + n, bias ? bias + n : nullptr, y + m * N + n, N);
+      } else {
+        for (int64_t i = n; i < n + nr; ++i)
+          tile_avx_mr<1>(mr, W + i * L.Kp, xp, cp, sp, L, wscale + i, bias ? bias + i : nullptr, y + m * N + i, N);
+      }
+    }
+  }
+}
+
+// ---- attention
+
+template <int NK>
+inline void scores_avx(const float* q, const float* k, int64_t D, float scale, float* s) {
+  __m512 acc[NK];
+#pragma GCC unroll 8
+  for (int i = 0; i < NK; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+#pragma GCC unroll 8
+    for (int i = 0; i < NK; ++i) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + i * D + d), acc[i]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NK; ++i) s[i] = hsum16_avx(acc[i]) * scale;
+}
+
+template <int NC>
+inline void pv_avx(const float* p, const float* V, int64_t n, int64_t D, float inv_unused, float sum, float* out) {
+  (void)inv_unused;
+  __m512 acc[NC];
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const float* v = V + j * D;
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + c * 16), acc[c]);
+  }
+  const __m512 sv = _mm512_set1_ps(sum);
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + c * 16, _mm512_div_ps(acc[c], sv));
+}
+
+// requires D % 16 == 0
+void attn_row_avx(const float* q, const float* Kb, const float* Vb, int64_t n, int64_t D, float scale, float* out,
+                  float* sbuf) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) scores_avx<4>(q, Kb + j * D, D, scale, sbuf + j);
+  for (; j < n; ++j) scores_avx<1>(q, Kb + j * D, D, scale, sbuf + j);
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
+    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sbuf + j0));
+  }
+  const float mx = _mm512_reduce_max_ps(mv);
+  const __m512 mxv = _mm512_set1_ps(mx);
+  __m512 ps = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(mk, exp16_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sbuf + j0), mxv)));
+    _mm512_mask_storeu_ps(sbuf + j0, mk, e);
+    ps = _mm512_add_ps(ps, e);
+  }
+  const float sum = hsum16_avx(ps);
+  const int64_t nc = D / 16;
+  for (int64_t c = 0; c < nc; c += 8) {
+    const int64_t cc = std::min<int64_t>(8, nc - c);
+    const float* V = Vb + c * 16;
+    float* o = out + c * 16;
+    switch (cc) {
+      case 1: pv_avx<1>(sbuf, V, n, D, 0.f, sum, o); break;
+      case 2: pv_avx<2>(sbuf, V, n, D, 0.f, sum, o); break;
+      case 3: pv_avx<3>(sbuf, V, n, D, 0.f, sum, o); break;
+      case 4: pv_avx<4>(sbuf, V, n, D, 0.f, sum, o); break;
+      case 5: pv_avx<5>(sbuf, V, n, D, 0.f, sum, o); break;
+      case 6: pv_avx<6>(sbuf, V, n, D, 0.f, sum, o); break;
+      case 7: pv_avx<7>(sbuf, V, n, D, 0.f, sum, o); break;
+      default: pv_avx<8>(sbuf, V, n, D, 0.f, sum, o); break;
+    }
+  }
+}
+
+}  // namespace
+#pragma GCC pop_options
+#endif
+
+// --------------------------------------------------------------------------
+// entry points
+
+namespace {
+
+void linear_block_scalar(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
+                         const float* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
+                         int64_t m0, int64_t m1) {
+  const int64_t ldc = L.U * 16;
+  const int64_t nfull = N / 4 * 4;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = m0; m < m1; ++m)
+      dot_row_scalar(n < nfull ? W + (n / 4) * 4 * L.Kp + (n % 4) * 64 : W + n * L.Kp, n < nfull ? 256 : 64,
+                     X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale[n],
+                     bias ? bias + n : nullptr, y + m * N + n);
+}
+
+torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& wscale,
+                        const c10::optional<torch::Tensor>& bias_in, int64_t in_features) {
+  TORCH_CHECK(x_in.dim() == 2, "q8_linear: x must be 2-D [M, K]");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "q8_linear: qweight must be contiguous uint8 [N, Kp]");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = qweight.size(0), Kp = qweight.size(1);
+  TORCH_CHECK(K == in_features, "q8_linear: x has ", K, " features, weight expects ", in_features);
+  TORCH_CHECK(Kp % kChunk == 0 && Kp >= K && Kp < K + kChunk, "q8_linear: bad padded width ", Kp);
+  TORCH_CHECK(wscale.scalar_type() == at::kFloat && wscale.is_contiguous() && wscale.numel() == N,
+              "q8_linear: scale must be contiguous fp32 [N]");
+  const torch::Tensor x = (x_in.scalar_type() == at::kFloat && x_in.is_contiguous())
+                              ? x_in
+                              : x_in.to(at::kFloat).contiguous();
+  torch::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.numel() == N, "q8_linear: bias must have ", N, " elements");
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+
+  const Layout L(Kp);
+  const int64_t ldc = L.U * 16;
+  thread_local Scratch scratch;
+  const size_t xq_bytes = align64(size_t(M * Kp));
+  const size_t c_bytes = align64(size_t(M * ldc) * 4);
+  uint8_t* base = scratch.get(xq_bytes + 2 * c_bytes);
+  int8_t* xq = reinterpret_cast<int8_t*>(base);
+  int32_t* corr = reinterpret_cast<int32_t*>(base + xq_bytes);
+  float* xs = reinterpret_cast<float*>(base + xq_bytes + c_bytes);
+
+  const float* xp = x.data_ptr<float>();
+  if (M * K < (1 << 16)) {
+    quantize_rows(xp, K, L, 0, M, xq, corr, xs);
+  } else {
+    at::parallel_for(0, M, 1, [&](int64_t a, int64_t b) { quantize_rows(xp, K, L, a, b, xq, corr, xs); });
+  }
+
+  const uint8_t* W = qweight.data_ptr<uint8_t>();
+  const float* ws = wscale.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const bool avx = use_avx();
+
+  // Tiling: weight rows in tiles of 4; each parallel task walks n-blocks of
+  // ~128 KiB of weights and, for each, all m-blocks of ~96 KiB activations.
+  constexpr int64_t NR = 4;
+  const int64_t ntiles = (N + NR - 1) / NR;
+  const int64_t tile_bytes = NR * Kp;
+  const int64_t nb_tiles = std::max<int64_t>(1, (128 * 1024) / tile_bytes);
+  const int64_t mb = std::max<int64_t>(3, ((96 * 1024) / Kp) / 3 * 3);
+  const int64_t work_per_tile = tile_bytes * std::max<int64_t>(1, M / 2);
+  const int64_t grain = std::max<int64_t>(1, (48 * 1024) / work_per_tile);
+
+  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t tb = t0; tb < t1; tb += nb_tiles) {
+      const int64_t n0 = tb * NR;
+      const int64_t n1 = std::min(N, std::min(t1, tb + nb_tiles) * NR);
+      for (int64_t m0 = 0; m0 < M; m0 += mb) {
+        const int64_t m1 = std::min(M, m0 + mb);
+#ifdef SPECDEC_X86
+        if (avx) {
+          linear_block_avx(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+          continue;
+        }
+#endif
+        linear_block_scalar(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+      }
+    }
+  });
+  (void)avx;
+  return y;
+}
+
+torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
+                        const torch::Tensor& slots_in, const torch::Tensor& start_in, const torch::Tensor& end_in,
+                        double scale_d) {
+  TORCH_CHECK(q_in.dim() == 3, "attention: q must be [M, Hq, D]");
+  TORCH_CHECK(k_in.dim() == 4 && v_in.dim() == 4, "attention: caches must be [S, Hkv, L, D]");
+  TORCH_CHECK(k_in.sizes() == v_in.sizes(), "attention: k_cache and v_cache shapes differ");
+  const auto f32 = [](const torch::Tensor& t) {
+    return (t.scalar_type() == at::kFloat && t.is_contiguous()) ? t : t.to(at::kFloat).contiguous();
+  };
+  const auto i32 = [](const torch::Tensor& t) {
+    return (t.scalar_type() == at::kInt && t.is_contiguous()) ? t : t.to(at::kInt).contiguous();
+  };
+  const torch::Tensor q = f32(q_in), kc = f32(k_in), vc = f32(v_in);
+  const torch::Tensor slots = i32(slots_in), ks = i32(start_in), ke = i32(end_in);
+  const int64_t M = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t S = kc.size(0), Hkv = kc.size(1), Lmax = kc.size(2);
+  TORCH_CHECK(kc.size(3) == D, "attention: head dim mismatch");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "attention: Hq must be a multiple of Hkv");
+  TORCH_CHECK(slots.numel() == M && ks.numel() == M && ke.numel() == M, "attention: slots/ranges must be [M]");
+  const int32_t* sp = slots.data_ptr<int32_t>();
+  const int32_t* a = ks.data_ptr<int32_t>();
+  const int32_t* b = ke.data_ptr<int32_t>();
+  int64_t maxn = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(sp[m] >= 0 && sp[m] < S, "attention: slot out of range");
+    TORCH_CHECK(a[m] >= 0 && b[m] <= Lmax, "attention: key range out of bounds");
+    maxn = std::max<int64_t>(maxn, b[m] - a[m]);
+  }
+  auto out = torch::empty({M, Hq, D}, q.options());
+  if (M == 0 || Hq == 0) return out;
+  const float scale = static_cast<float>(scale_d);
+  const int64_t group = Hq / Hkv;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool avx = use_avx() && D % 16 == 0;
+  const int64_t work = std::max<int64_t>(1, maxn * D);
+  const int64_t grain = std::max<int64_t>(1, 16384 / work);
+  at::parallel_for(0, M * Hq, grain, [&](int64_t i0, int64_t i1) {
+    thread_local Scratch sbuf_mem;
+    float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(maxn + 16) * 4));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / Hq, h = i % Hq, kvh = h / group;
+      const int64_t n = b[m] - a[m];
+      float* o = op + i * D;
+      if (n <= 0) {
+        std::fill(o, o + D, 0.0f);
+        continue;
+      }
+      const int64_t base = ((int64_t(sp[m]) * Hkv + kvh) * Lmax + a[m]) * D;
+#ifdef SPECDEC_X86
+      if (avx) {
+        attn_row_avx(qp + i * D, kp + base, vp + base, n, D, scale, o, sbuf);
+        continue;
+      }
+#endif
+      attn_row_scalar(qp + i * D, kp + base, vp + base, n, D, scale, o, sbuf);
+    }
+  });
+  (void)avx;
+  return out;
+}
+
+void set_force_scalar(bool v) { g_force_scalar = v; }
+std::string isa() { return use_avx() ? "avx512vnni" : "scalar"; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q8_linear", &q8_linear, "int8 weight x Q8_0 activation linear (row invariant)");
+  m.def("attention", &attention, "range attention (row invariant)");
+  m.def("set_force_scalar", &set_force_scalar);
+  m.def("isa", &isa);
+  m.def("cpu_has_avx512vnni", &cpu_has_avx512vnni);
+}

@@ -1,0 +1,114 @@
+"""Range attention: correctness vs a plain reference, bitwise row / thread invariance."""
+
+import math
+
+import pytest
+import torch
+
+from specdec.kernels import ops
+
+pytestmark = pytest.mark.skipif(not ops.kernels_available(), reason="compiled specdec kernels unavailable")
+
+CONFIGS = [(4, 1, 256), (12, 2, 128), (9, 3, 64)]  # (Hq, Hkv, D): Gemma 3, Qwen2.5-1.5B, SmolLM2
+
+
+def _reference(q, kc, vc, slots, ks, ke, scale):
+    m, hq, d = q.shape
+    g = hq // kc.shape[1]
+    out = torch.zeros(m, hq, d, dtype=torch.float64)
+    for i in range(m):
+        a, b = int(ks[i]), int(ke[i])
+        if b <= a:
+            continue
+        for h in range(hq):
+            k = kc[int(slots[i]), h // g, a:b].double()
+            v = vc[int(slots[i]), h // g, a:b].double()
+            p = torch.softmax((k @ q[i, h].double()) * scale, dim=0)
+            out[i, h] = p @ v
+    return out.float()
+
+
+def _case(hq, hkv, d, s=3, length=300, seed=0):
+    g = torch.Generator().manual_seed(seed + hq * 100 + d)
+    kc = torch.randn(s, hkv, length, d, generator=g)
+    vc = torch.randn(s, hkv, length, d, generator=g)
+    # rows: prefill-like causal block on slot 0, decode rows on others, sliding windows, length 1
+    rows = [(0, 0, 1), (0, 0, 2), (0, 0, 17), (0, 5, 40), (1, 0, length), (2, 250, 251), (2, 3, 200), (1, 100, 164)]
+    slots = torch.tensor([r[0] for r in rows], dtype=torch.int32)
+    ks = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+    ke = torch.tensor([r[2] for r in rows], dtype=torch.int32)
+    q = torch.randn(len(rows), hq, d, generator=g) * 2.0
+    return q, kc, vc, slots, ks, ke, 1.0 / math.sqrt(d)
+
+
+@pytest.mark.parametrize("hq,hkv,d", CONFIGS)
+def test_matches_reference(hq, hkv, d):
+    args = _case(hq, hkv, d)
+    out = ops.attention(*args)
+    assert out.shape == args[0].shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, _reference(*args), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops._attention_torch(*args), _reference(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_long_range_and_peaked_scores():
+    q, kc, vc, slots, ks, ke, scale = _case(4, 1, 256, s=3, length=3000)
+    ks[4], ke[4] = 0, 3000
+    q = q * 10.0  # large logits: exercises max-subtraction / exp underflow
+    out = ops.attention(q, kc, vc, slots, ks, ke, scale)
+    torch.testing.assert_close(out, _reference(q, kc, vc, slots, ks, ke, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_empty_range_gives_zeros():
+    q, kc, vc, slots, ks, ke, scale = _case(9, 3, 64)
+    ke[2] = ks[2]
+    out = ops.attention(q, kc, vc, slots, ks, ke, scale)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+@pytest.mark.parametrize("hq,hkv,d", CONFIGS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_invariance(hq, hkv, d, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, kc, vc, slots, ks, ke, scale = _case(hq, hkv, d)
+        full = ops.attention(q, kc, vc, slots, ks, ke, scale)
+        for i in range(q.shape[0]):
+            sl = slice(i, i + 1)
+            alone = ops.attention(q[sl], kc, vc, slots[sl], ks[sl], ke[sl], scale)
+            assert torch.equal(alone, full[sl]), f"row {i}"
+        perm = torch.tensor([5, 2, 7, 0, 3, 1, 6, 4])
+        assert torch.equal(ops.attention(q[perm], kc, vc, slots[perm], ks[perm], ke[perm], scale), full[perm])
+        # same rows batched with unrelated rows of other slots
+        q2 = torch.cat([torch.randn(3, hq, d), q[2:5]])
+        s2 = torch.cat([torch.tensor([2, 1, 2], dtype=torch.int32), slots[2:5]])
+        a2 = torch.cat([torch.tensor([0, 7, 9], dtype=torch.int32), ks[2:5]])
+        e2 = torch.cat([torch.tensor([300, 8, 123], dtype=torch.int32), ke[2:5]])
+        assert torch.equal(ops.attention(q2, kc, vc, s2, a2, e2, scale)[3:], full[2:5])
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_thread_count_invariance():
+    args = _case(12, 2, 128)
+    old = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(ops.attention(*args))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(ops.kernel_isa() != "avx512vnni", reason="needs the AVX-512 path")
+def test_scalar_path_matches_simd():
+    args = _case(9, 3, 64)
+    out = ops.attention(*args)
+    ops._set_force_scalar(True)
+    try:
+        outs = ops.attention(*args)
+    finally:
+        ops._set_force_scalar(False)
+    assert torch.equal(out, outs)

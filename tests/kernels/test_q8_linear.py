@@ -1,0 +1,144 @@
+"""q8_linear: bitwise row invariance, thread invariance, accuracy bounds."""
+
+import pytest
+import torch
+
+from specdec.kernels import ops
+
+pytestmark = pytest.mark.skipif(not ops.kernels_available(), reason="compiled specdec kernels unavailable")
+
+# (K, N): K not a multiple of 64 (576+?, 896 -> tail chunks), N not a multiple of 4 (plain tail rows)
+SHAPES = [(576, 37), (640, 256), (896, 130), (1536, 67), (2048, 64), (8960, 22), (100, 9)]
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def _data(k, n, m=300, seed=0):
+    g = torch.Generator().manual_seed(seed * 1000 + k + n)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, :: max(1, k // 7)] *= 8.0  # a few large columns
+    x = torch.randn(m, k, generator=g)
+    x[::5, :: max(1, k // 5)] *= 30.0  # outlier activations in some rows
+    x[7] = 0.0  # an all-zero row
+    bias = torch.randn(n, generator=g)
+    return w, x, bias
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_row_invariance(k, n, with_bias, threads):
+    w, x, bias = _data(k, n)
+    qw = ops.quantize_weight(w)
+    b = bias if with_bias else None
+    full = ops.q8_linear(x, qw, b)  # block of 300 rows
+    assert full.shape == (300, n) and full.dtype == torch.float32
+    alone = torch.cat([ops.q8_linear(x[r : r + 1], qw, b) for r in range(16)])
+    assert torch.equal(alone, full[:16])
+    for m in range(2, 17):
+        assert torch.equal(ops.q8_linear(x[:m], qw, b), full[:m]), f"M={m}"
+    assert torch.equal(ops.q8_linear(x[100:164], qw, b), full[100:164])  # block of 64
+    # same rows next to different neighbours / at different positions
+    perm = torch.randperm(300, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(ops.q8_linear(x[perm], qw, b), full[perm])
+    assert torch.equal(ops.q8_linear(x[perm[:5]], qw, b), full[perm[:5]])
+
+
+@pytest.mark.parametrize("k,n", [(576, 37), (1536, 67), (8960, 22)])
+def test_thread_count_invariance(k, n):
+    w, x, bias = _data(k, n)
+    qw = ops.quantize_weight(w)
+    old = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            outs.append(ops.q8_linear(x, qw, bias))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(ops.kernel_isa() != "avx512vnni", reason="needs the AVX-512 VNNI path")
+@pytest.mark.parametrize("k,n", [(576, 37), (896, 130), (2048, 64)])
+def test_scalar_path_matches_simd(k, n):
+    w, x, bias = _data(k, n, m=20)
+    qw = ops.quantize_weight(w)
+    y = ops.q8_linear(x, qw, bias)
+    ops._set_force_scalar(True)
+    try:
+        ys = ops.q8_linear(x, qw, bias)
+    finally:
+        ops._set_force_scalar(False)
+    assert torch.equal(y, ys)
+
+
+def _act_scales(x, k):
+    """Per-element Q8_0 activation scale d (amax/127 of its 32-block)."""
+    m = x.shape[0]
+    kp = -(-k // 32) * 32
+    xp = torch.zeros(m, kp, dtype=torch.float64)
+    xp[:, :k] = x.double()
+    d = xp.view(m, -1, 32).abs().amax(-1) / 127.0
+    return d.repeat_interleave(32, dim=1)[:, :k]
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_accuracy_vs_fp32(k, n):
+    w, x, bias = _data(k, n, m=64)
+    qw = ops.quantize_weight(w)
+    wd = qw.dequantize()
+    y = ops.q8_linear(x, qw, bias)
+    ref = x.double() @ wd.double().T + bias.double()
+    err = (y.double() - ref).abs()
+    # rigorous bound of the activation rounding: |x - xq*d| <= d/2 per element
+    bound = (_act_scales(x, k) / 2) @ wd.double().abs().T
+    slack = 1e-5 * (x.double().abs() @ wd.double().abs().T) + 1e-6
+    assert bool((err <= bound + slack).all()), float((err - bound - slack).max())
+    # stated statistical bound: relative Frobenius error below 1.5 %
+    rel = (err.norm() / ref.norm()).item()
+    assert rel < 1.5e-2, rel
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_quantize_round_trip(k, n):
+    w, _, _ = _data(k, n)
+    qw = ops.quantize_weight(w)
+    assert qw.qweight.dtype == torch.uint8 and qw.qweight.shape == (n, -(-k // 64) * 64)
+    assert qw.in_features == k and qw.scale.shape == (n,)
+    torch.testing.assert_close(qw.scale, w.abs().amax(1) / 127.0)
+    wd = qw.dequantize()
+    assert wd.shape == (n, k)
+    assert bool(((wd - w).abs() <= qw.scale[:, None] * 0.5 * (1 + 1e-5) + 1e-12).all())
+    q = qw.int8()
+    assert int(q.abs().max()) <= 127
+    # natural int8 -> packed -> natural is the identity, and re-packing is identical
+    qw2 = ops.QuantizedWeight.from_int8(q, qw.scale)
+    assert torch.equal(qw2.qweight, qw.qweight)
+    # embedding rows == dequantized rows
+    ids = torch.tensor([0, n - 1, n // 2, 3, n - 1], dtype=torch.long) % n
+    assert torch.equal(ops.embedding(ids, qw), wd[ids])
+
+
+def test_zero_weight_rows_and_leading_dims():
+    w = torch.randn(10, 96)
+    w[3] = 0
+    qw = ops.quantize_weight(w)
+    x = torch.randn(2, 3, 96)
+    y = ops.q8_linear(x, qw)
+    assert y.shape == (2, 3, 10)
+    assert torch.equal(y[..., 3], torch.zeros(2, 3))
+    assert torch.equal(y.reshape(6, 10), ops.q8_linear(x.reshape(6, 96), qw))
+
+
+def test_torch_fallback_close():
+    w, x, bias = _data(640, 33, m=8)
+    qw = ops.quantize_weight(w)
+    y = ops.q8_linear(x, qw, bias)
+    yf = ops._q8_linear_torch(x, qw, bias)
+    assert ((y - yf).norm() / yf.norm()).item() < 1.5e-2
