@@ -42,6 +42,8 @@ class SamplingParams:
     max_tokens: the most tokens to generate for the request.
     stop: strings that end the generation when they appear in the output.
     ignore_eos: keep generating past the end-of-sequence token.
+    logprobs: None = no log-probabilities; n >= 0 = the chosen token's log-probability plus the n most
+        likely alternatives, from the target's raw distribution (before temperature/top-k/top-p, as vLLM).
     """
 
     temperature: float = 0.0
@@ -51,6 +53,7 @@ class SamplingParams:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         owner = "SamplingParams"
@@ -68,6 +71,10 @@ class SamplingParams:
             raise ValueError(f"{owner}.stop must be a tuple of non-empty strings, got {self.stop!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"{owner}.ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        if self.logprobs is not None:
+            _require_at_least(owner, "logprobs", self.logprobs, 0)
+            if self.logprobs > 20:
+                raise ValueError(f"{owner}.logprobs must be at most 20, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -159,3 +159,25 @@ def test_chi_square_detects_a_wrong_residual(small_vocab_models, tiny_tokenizer,
     monkeypatch.setattr(rejection, "residual_probs", lambda target_probs, draft_probs: target_probs)
     drafter = DraftModelDrafter(draft, 32, 64) if drafter_kind == "draft_model" else NgramDrafter(2, 1)
     assert chi_square_p_value(sampled_counts(target, tiny_tokenizer, drafter), joint) < 1e-6
+
+
+def test_logprobs_with_speculation_equal_plain(make_tiny_model, tiny_tokenizer):
+    model = make_tiny_model("gemma3")
+    params = SamplingParams(max_tokens=20, logprobs=3)
+
+    def collect(drafter):
+        engine = Engine(model, tiny_tokenizer, max_num_seqs=4, max_model_len=256, drafter=drafter,
+                        num_speculative_tokens=4 if drafter else 0)
+        for prompt in PROMPTS:
+            engine.add_request(prompt, params)
+        logprobs = {}
+        while engine.has_unfinished():
+            for output in engine.step():
+                logprobs.setdefault(output.request_id, []).extend(output.new_logprobs)
+        return logprobs
+
+    plain = collect(None)
+    spec = collect(make_drafter("draft_model_same", make_tiny_model, "gemma3"))
+    assert spec == plain
+    first = plain["0"][0]
+    assert len(first.top) == 3 and first.top[0][1] >= first.logprob - 1e-6

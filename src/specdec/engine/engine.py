@@ -28,6 +28,15 @@ EMPTY_DRAFT = Draft(token_ids=(), draft_probs=None)
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of an emitted token under the target's raw distribution, with the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """What one step added to one request."""
 
@@ -36,6 +45,7 @@ class StepOutput:
     new_token_kinds: tuple[TokenKind, ...]
     new_text: str
     finish_reason: str | None
+    new_logprobs: tuple[TokenLogprob, ...] | None = None  # when the request asked for logprobs
 
     @property
     def finished(self) -> bool:
@@ -117,7 +127,8 @@ class Engine:
         new_text = seq.append(token_id, TokenKind.TARGET)
         if seq.speculative:
             self.drafter.observe(seq.request_id, [token_id])
-        return StepOutput(seq.request_id, (token_id,), (TokenKind.TARGET,), new_text, seq.finish_reason)
+        return StepOutput(seq.request_id, (token_id,), (TokenKind.TARGET,), new_text, seq.finish_reason,
+                          token_logprobs(logits, [token_id], seq.params.logprobs))
 
     def _prefill(self, seq: Sequence) -> torch.Tensor:
         prompt = seq.prompt_token_ids
@@ -151,7 +162,8 @@ class Engine:
         done = time.perf_counter()
         step_times = (drafted - start, verified_at - drafted, done - verified_at)
         self._record_times(self.metrics, step_times)
-        return [self._commit(seq, draft, result, step_times) for seq, draft, result in zip(seqs, drafts, results)]
+        return [self._commit(seq, draft, result, step_times, logits)
+                for seq, draft, result, logits in zip(seqs, drafts, results, logits_per_seq)]
 
     def _propose(self, seqs: list[Sequence]) -> list[Draft]:
         speculating = [seq for seq in seqs if seq.speculative]
@@ -169,7 +181,7 @@ class Engine:
         target_probs = logits_to_probs(target_logits, seq.params)  # [k+1, vocab]
         return verify_rejection(draft.token_ids, draft.draft_probs, target_probs, seq.generator)
 
-    def _commit(self, seq: Sequence, draft: Draft, result: VerifyResult, step_times) -> StepOutput:
+    def _commit(self, seq: Sequence, draft: Draft, result: VerifyResult, step_times, target_logits: torch.Tensor) -> StepOutput:
         """Appends the verified tokens (stopping early at EOS/stop/length exactly like plain decoding)."""
         num_drafted = len(draft.token_ids)
         kinds = [TokenKind.ACCEPTED] * result.accepted_count
@@ -192,7 +204,8 @@ class Engine:
             self._record_times(seq.metrics, step_times)
             if not seq.finished:
                 self.drafter.observe(seq.request_id, new_ids)
-        return StepOutput(seq.request_id, tuple(new_ids), tuple(new_kinds), new_text, seq.finish_reason)
+        return StepOutput(seq.request_id, tuple(new_ids), tuple(new_kinds), new_text, seq.finish_reason,
+                          token_logprobs(target_logits, new_ids, seq.params.logprobs))
 
     @staticmethod
     def _record_times(metrics: SpecDecodeMetrics, step_times: tuple[float, float, float]) -> None:
@@ -207,3 +220,16 @@ class Engine:
             self.cache.free(seq.slot)
             if seq.speculative:
                 self.drafter.remove_request(seq.request_id)
+
+
+def token_logprobs(target_logits: torch.Tensor, token_ids: list[int], num_top: int | None) -> tuple[TokenLogprob, ...] | None:
+    """target_logits [>= len(token_ids), vocab]: row i is the distribution token_ids[i] was drawn from."""
+    if num_top is None:
+        return None
+    logprobs = torch.log_softmax(target_logits[: len(token_ids)].float(), dim=-1)  # [n, vocab]
+    chosen = logprobs[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
+    return tuple(
+        TokenLogprob(token_id, value, tuple(zip(ids, values)))
+        for token_id, value, ids, values in zip(token_ids, chosen, top_ids.tolist(), top_values.tolist())
+    )
