@@ -1,0 +1,324 @@
+"""Loader tests: real GGUF files, dequantization against gguf-py, HF directory round trips, damaged files."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.models import loader
+from specdec.models.catalog import models_dir
+from specdec.models.loader import ModelLoadError, load_checkpoint, load_gguf, load_hf_dir, read_gguf_file
+from tiny_models import write_tiny_tokenizer
+
+
+def real_model_path(name: str) -> Path:
+    path = models_dir() / f"{name}.gguf"
+    if not path.is_file():
+        pytest.fail(f"missing {path}: run `specdec pull {name}`")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------- real files
+
+EXPECTED_CONFIGS = {  # hand-checked against the models' Hugging Face config.json files
+    "gemma-3-270m": dict(
+        architecture="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18,
+        num_heads=4, num_kv_heads=1, head_dim=256, max_position_embeddings=32768, rope_theta=1e6,
+        rope_local_theta=10000.0, sliding_window=512, qkv_bias=False, qk_norm=True, post_norms=True,
+        embedding_scale=math.sqrt(640), activation="gelu_tanh", tie_word_embeddings=True, attention_scale=1 / 16,
+        final_logit_softcap=None,
+    ),
+    "smollm2-135m-instruct": dict(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
+        qkv_bias=False, qk_norm=False, post_norms=False, activation="silu", tie_word_embeddings=True,
+        layer_types=(), sliding_window=None, embedding_scale=1.0,
+    ),
+    "qwen2.5-coder-0.5b-instruct": dict(
+        architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+        num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=32768, rope_theta=1e6,
+        qkv_bias=True, qk_norm=False, post_norms=False, activation="silu", tie_word_embeddings=False,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def real_checkpoints():
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            cache[name] = load_gguf(real_model_path(name))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", sorted(EXPECTED_CONFIGS))
+def test_real_gguf_config_and_shapes(real_checkpoints, name: str) -> None:
+    checkpoint = real_checkpoints(name)
+    config = checkpoint.config
+    for field, expected in EXPECTED_CONFIGS[name].items():
+        assert getattr(config, field) == pytest.approx(expected) if isinstance(expected, float) else \
+            getattr(config, field) == expected, field
+    assert abs(config.rms_norm_eps - (1e-5 if config.architecture == "llama" else 1e-6)) < 1e-9
+    tensors = checkpoint.tensors
+    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors.values())
+    assert tensors["embed_tokens"].shape == (config.vocab_size, config.hidden_size)
+    assert tensors["layers.0.q_proj"].shape == (config.num_heads * config.head_dim, config.hidden_size)
+    assert tensors["layers.0.k_proj"].shape == (config.num_kv_heads * config.head_dim, config.hidden_size)
+    assert tensors["layers.0.down_proj"].shape == (config.hidden_size, config.intermediate_size)
+    assert ("lm_head" in tensors) == (not config.tie_word_embeddings)
+    assert ("layers.0.q_proj.bias" in tensors) == config.qkv_bias
+    assert all(torch.isfinite(t).all() for t in tensors.values())
+    assert checkpoint.tokenizer.vocab_size == config.vocab_size
+
+
+@pytest.mark.real
+def test_gemma3_layer_pattern_and_norms(real_checkpoints) -> None:
+    config = real_checkpoints("gemma-3-270m").config
+    assert [i for i, kind in enumerate(config.layer_types) if kind == "full"] == [5, 11, 17]
+    assert config.layer_rope_theta(0) == 10000.0 and config.layer_rope_theta(5) == 1e6
+    # llama.cpp's converter stores Gemma's (1 + w): the final norm's multipliers are mostly well above zero.
+    final_norm = real_checkpoints("gemma-3-270m").tensors["norm"]
+    assert final_norm.mean() > 1.0
+
+
+@pytest.mark.real
+def test_dequantization_matches_gguf_py() -> None:
+    import gguf
+    from gguf.quants import dequantize
+
+    for name in ("gemma-3-270m", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"):
+        path = real_model_path(name)
+        gguf_file = read_gguf_file(path)
+        reader = gguf.GGUFReader(path)
+        seen = set()
+        for reference, info in zip(reader.tensors, gguf_file.tensors):
+            assert (reference.name, int(reference.data_offset)) == (info.name, info.offset)
+            if reference.tensor_type in seen or reference.n_elements > 50_000_000:
+                continue
+            seen.add(reference.tensor_type)
+            expected = dequantize(reference.data, reference.tensor_type).reshape(info.shape)
+            actual = loader._dequantize_gguf_tensor(gguf_file, info, path).numpy()
+            np.testing.assert_array_equal(actual, expected, err_msg=f"{name} {info.name}")
+
+
+@pytest.mark.parametrize("type_name", sorted(loader._TORCH_DEQUANTIZERS))
+def test_torch_dequantizers_match_gguf_py(type_name: str) -> None:
+    """Random blocks (with finite fp16 scales) decode exactly like gguf-py's reference code."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    block_values, block_bytes, _ = loader._TORCH_DEQUANTIZERS[type_name]
+    fp16_offsets = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(6, 3 * block_bytes), dtype=np.uint8)  # 6 rows of 3 blocks
+    blocks = raw.reshape(-1, block_bytes)
+    for offset in fp16_offsets.get(type_name, (0,)):
+        scales = rng.uniform(-2, 2, size=(blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8)
+    expected = dequantize(raw, GGMLQuantizationType[type_name])
+    actual = loader._dequantize_with_torch(raw, type_name, expected.shape).numpy()
+    np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.real
+def test_llama_qk_unpermuted_like_transformers(real_checkpoints) -> None:
+    """Our q/k rows (HF rotate-half layout) equal transformers' GGUF-loaded SmolLM2 weights."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    path = real_model_path("smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ours = real_checkpoints("smollm2-135m-instruct").tensors
+    for layer in (0, 17):
+        attention = model.model.layers[layer].self_attn
+        for leaf in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            torch.testing.assert_close(ours[f"layers.{layer}.{leaf}"], getattr(attention, leaf).weight,
+                                       rtol=0, atol=0)
+    # and they really were permuted in the file
+    raw = read_gguf_file(path)
+    info = next(t for t in raw.tensors if t.name == "blk.0.attn_q.weight")
+    file_rows = loader._dequantize_gguf_tensor(raw, info, path)
+    assert not torch.equal(file_rows, ours["layers.0.q_proj"])
+    assert torch.equal(loader.unpermute_rope_rows(file_rows, 9), ours["layers.0.q_proj"])
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    heads, head_dim, hidden = 3, 8, 5
+    weight = torch.randn(heads * head_dim, hidden)
+    # llama.cpp convert_hf_to_gguf.py: reshape(n_head, 2, d/2, ...).swapaxes(1, 2)
+    permuted = weight.reshape(heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(weight.shape)
+    assert torch.equal(loader.unpermute_rope_rows(permuted, heads), weight)
+
+
+# ------------------------------------------------------------------------------------------------ HF directories
+
+def _tiny_hf_model(architecture: str):
+    import transformers
+
+    common = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128)
+    if architecture == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=False))
+    if architecture == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    config = transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
+                                           layer_types=["sliding_attention", "full_attention"])
+    return transformers.Gemma3ForCausalLM(config)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "gemma3"])
+def test_hf_dir_round_trip(tmp_path, architecture: str) -> None:
+    torch.manual_seed(0)
+    model = _tiny_hf_model(architecture)
+    with torch.no_grad():  # make norm weights non-trivial so the Gemma +1 is visible
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(-0.5, 0.5)
+    model.save_pretrained(tmp_path)
+    write_tiny_tokenizer(tmp_path)
+    checkpoint = load_checkpoint(tmp_path)
+    config, tensors = checkpoint.config, checkpoint.tensors
+    hf = model.config
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (300, 32, 48)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads) == (2, 4, 2)
+    assert config.head_dim == (16 if architecture == "gemma3" else 8)
+    assert config.tie_word_embeddings == hf.tie_word_embeddings
+    assert ("lm_head" in tensors) == (not hf.tie_word_embeddings)
+    assert config.qkv_bias == (architecture == "qwen2")
+    state = model.state_dict()
+    shift = 1.0 if architecture == "gemma3" else 0.0
+    torch.testing.assert_close(tensors["embed_tokens"], state["model.embed_tokens.weight"])
+    torch.testing.assert_close(tensors["norm"], state["model.norm.weight"] + shift)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}."
+        torch.testing.assert_close(tensors[f"layers.{layer}.q_proj"], state[prefix + "self_attn.q_proj.weight"])
+        torch.testing.assert_close(tensors[f"layers.{layer}.down_proj"], state[prefix + "mlp.down_proj.weight"])
+        torch.testing.assert_close(tensors[f"layers.{layer}.attn_norm"], state[prefix + "input_layernorm.weight"] + shift)
+        if architecture == "gemma3":
+            torch.testing.assert_close(tensors[f"layers.{layer}.post_attn_norm"],
+                                       state[prefix + "post_attention_layernorm.weight"] + 1)
+            torch.testing.assert_close(tensors[f"layers.{layer}.ffn_norm"],
+                                       state[prefix + "pre_feedforward_layernorm.weight"] + 1)
+            torch.testing.assert_close(tensors[f"layers.{layer}.post_ffn_norm"],
+                                       state[prefix + "post_feedforward_layernorm.weight"] + 1)
+            torch.testing.assert_close(tensors[f"layers.{layer}.q_norm"], state[prefix + "self_attn.q_norm.weight"] + 1)
+        else:
+            torch.testing.assert_close(tensors[f"layers.{layer}.ffn_norm"],
+                                       state[prefix + "post_attention_layernorm.weight"])
+        if architecture == "qwen2":
+            torch.testing.assert_close(tensors[f"layers.{layer}.k_proj.bias"], state[prefix + "self_attn.k_proj.bias"])
+    if architecture == "gemma3":
+        assert config.layer_types == ("sliding", "full")
+        assert config.sliding_window == 16
+        assert config.attention_scale == pytest.approx(24**-0.5)
+        assert (config.rope_local_theta, config.rope_theta) == (10000.0, 1e6)
+        assert config.embedding_scale == pytest.approx(math.sqrt(32))
+        assert (config.activation, config.qk_norm, config.post_norms) == ("gelu_tanh", True, True)
+    assert checkpoint.tokenizer.bos_token_id is not None
+
+
+def test_hf_dir_errors(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_hf_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'; supported: .*llama.*qwen2"):
+        load_hf_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(ModelLoadError, match="lacks required field"):
+        load_hf_dir(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------------ damaged files
+
+def _write_tiny_gguf(path: Path, architecture: str = "llama", tensor: np.ndarray | None = None) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_uint32(f"{architecture}.embedding_length", 8)
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32) if tensor is None else tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_missing_path(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="no such model file or directory"):
+        load_checkpoint(tmp_path / "absent.gguf")
+    with pytest.raises(ModelLoadError, match="no such GGUF file"):
+        load_gguf(tmp_path / "absent.gguf")
+
+
+def test_random_bytes(tmp_path) -> None:
+    path = tmp_path / "random.gguf"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(ModelLoadError, match="is not a GGUF file"):
+        load_checkpoint(path)
+    path.write_bytes(b"GGUF" + np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        load_checkpoint(path)
+    path.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="is not a GGUF file"):
+        load_checkpoint(path)
+
+
+def test_unsupported_architecture(tmp_path) -> None:
+    path = _write_tiny_gguf(tmp_path / "mamba.gguf", "mamba")
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'mamba'; supported: llama, qwen2, gemma3"):
+        load_gguf(path)
+
+
+def test_unsupported_quantization_type(tmp_path) -> None:
+    path = _write_tiny_gguf(tmp_path / "int.gguf", tensor=np.ones((4, 8), dtype=np.int32))
+    gguf_file = read_gguf_file(path)
+    with pytest.raises(ModelLoadError, match="tensor token_embd.weight uses quantization type I32"):
+        loader._check_gguf_quant_types(gguf_file.tensors, path)
+
+
+def test_unknown_quantization_type_id(tmp_path) -> None:
+    path = _write_tiny_gguf(tmp_path / "unknown.gguf")
+    data = bytearray(path.read_bytes())
+    name = b"token_embd.weight"
+    type_position = data.index(name) + len(name) + 4 + 2 * 8  # n_dims u32, two u64 dims, then the type
+    assert data[type_position:type_position + 4] == (0).to_bytes(4, "little")  # F32
+    data[type_position:type_position + 4] = (250).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="token_embd.weight uses unknown quantization type id 250"):
+        load_gguf(path)
+
+
+@pytest.mark.real
+def test_truncated_real_file(tmp_path) -> None:
+    source = real_model_path("smollm2-135m-instruct")
+    path = tmp_path / "half.gguf"
+    with source.open("rb") as handle:
+        path.write_bytes(handle.read(source.stat().st_size // 2))
+    with pytest.raises(ModelLoadError, match=r"is truncated: tensor .* ends at byte \d+ but the file has"):
+        load_gguf(path)
+    with source.open("rb") as handle:
+        path.write_bytes(handle.read(100_000))  # cut inside the vocabulary
+    with pytest.raises(ModelLoadError, match="truncated or corrupt: header ends early"):
+        load_gguf(path)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_qwen_1_5b_loads() -> None:
+    checkpoint = load_gguf(real_model_path("qwen2.5-coder-1.5b-instruct"))
+    config = checkpoint.config
+    assert (config.architecture, config.hidden_size, config.intermediate_size) == ("qwen2", 1536, 8960)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (28, 12, 2, 128)
+    assert config.qkv_bias and not config.tie_word_embeddings
+    assert checkpoint.tensors["lm_head"].shape == (151936, 1536)
+    assert checkpoint.tokenizer.vocab_size == 151936
