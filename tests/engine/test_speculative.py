@@ -13,7 +13,7 @@ from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.engine.batch import ForwardBatch
-from specdec.engine.engine import Engine
+from specdec.engine.engine import BatchDraftPolicy, Engine
 from specdec.engine.sequence import TokenKind
 from specdec.verify import rejection
 from specdec.verify.sampling import logits_to_probs
@@ -120,7 +120,8 @@ def sampled_counts(model, tokenizer, drafter):
     counts = Counter()
     for start in range(0, CHI_SAMPLES, 32):
         params = [SamplingParams(seed=seed, **CHI_PARAMS) for seed in range(start, start + 32)]
-        engine = Engine(model, tokenizer, max_num_seqs=32, max_model_len=64, drafter=drafter, num_speculative_tokens=3)
+        engine = Engine(model, tokenizer, max_num_seqs=32, max_model_len=64, drafter=drafter, num_speculative_tokens=3,
+                        max_verify_tokens=4096)  # keep speculating at batch 32
         seqs = [engine.add_request(CHI_PROMPT, p) for p in params]
         while engine.has_unfinished():
             engine.step()
@@ -181,3 +182,20 @@ def test_logprobs_with_speculation_equal_plain(make_tiny_model, tiny_tokenizer):
     assert spec == plain
     first = plain["0"][0]
     assert len(first.top) == 3 and first.top[0][1] >= first.logprob - 1e-6
+
+
+def test_batch_draft_policy_shortens_then_switches_off_speculation():
+    policy = BatchDraftPolicy(num_speculative_tokens=5, max_verify_tokens=32)
+    assert [policy.draft_length(b) for b in (1, 4, 8, 15, 16, 17, 32)] == [5, 5, 3, 1, 1, 0, 0]
+
+
+def test_large_batches_decode_without_drafts(make_tiny_model, tiny_tokenizer):
+    model = make_tiny_model("llama")
+    params = SamplingParams(max_tokens=10)
+    engine = Engine(model, tiny_tokenizer, max_num_seqs=8, max_model_len=256, drafter=NgramDrafter(3, 1),
+                    num_speculative_tokens=4, max_verify_tokens=8)  # 8 sequences x (1 + 1 draft) > 8 rows
+    seqs = [engine.add_request(prompt, params) for prompt in PROMPTS * 2]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.metrics.drafted_tokens == 0
+    assert [seq.output_token_ids for seq in seqs] == [seq.output_token_ids for seq in run(model, tiny_tokenizer, PROMPTS * 2, params)[0]]
