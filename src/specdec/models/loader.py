@@ -184,7 +184,9 @@ class _GGUFHeaderParser:
             key = self._string()
             metadata[key] = self._value(self._scalar(4))
         raw_infos = [self._tensor_info() for _ in range(tensor_count)]
-        alignment = int(metadata.get("general.alignment", 32))
+        alignment = metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise _Truncated(f"invalid general.alignment {alignment!r}")
         data_start = -(-self._position // alignment) * alignment
         tensors = []
         for name, shape, ggml_type, offset in raw_infos:
@@ -195,6 +197,8 @@ class _GGUFHeaderParser:
                     f"{self._path}: tensor {name} uses unknown quantization type id {ggml_type}"
                 ) from None
             n_elements = math.prod(shape)
+            if n_elements == 0:
+                raise _Truncated(f"tensor {name} has an empty shape {shape}")
             if shape[-1] % block_size:
                 raise _Truncated(f"tensor {name} row length {shape[-1]} is not a multiple of block {block_size}")
             n_bytes = n_elements // block_size * type_size
