@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -394,59 +395,88 @@ inline void scores_avx(const float* q, const float* k, int64_t D, float scale, f
   for (int i = 0; i < NK; ++i) s[i] = hsum16_avx(acc[i]) * scale;
 }
 
+// acc[c*16 ..] += sum_{j in [0, n)} p[j] * V[j, c*16 ..] sequentially in j (NC chunks of 16)
 template <int NC>
-inline void pv_avx(const float* p, const float* V, int64_t n, int64_t D, float inv_unused, float sum, float* out) {
-  (void)inv_unused;
+inline void pv_block_avx(const float* p, const float* V, int64_t n, int64_t D, float* acc_mem) {
   __m512 acc[NC];
 #pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) acc[c] = _mm512_setzero_ps();
+  for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(acc_mem + c * 16);
   for (int64_t j = 0; j < n; ++j) {
     const __m512 pj = _mm512_set1_ps(p[j]);
     const float* v = V + j * D;
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + c * 16), acc[c]);
   }
-  const __m512 sv = _mm512_set1_ps(sum);
 #pragma GCC unroll 8
-  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + c * 16, _mm512_div_ps(acc[c], sv));
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_mem + c * 16, acc[c]);
 }
 
-// requires D % 16 == 0
-void attn_row_avx(const float* q, const float* Kb, const float* Vb, int64_t n, int64_t D, float scale, float* out,
-                  float* sbuf) {
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) scores_avx<4>(q, Kb + j * D, D, scale, sbuf + j);
-  for (; j < n; ++j) scores_avx<1>(q, Kb + j * D, D, scale, sbuf + j);
-  __m512 mv = _mm512_set1_ps(-INFINITY);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
-    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sbuf + j0));
-  }
-  const float mx = _mm512_reduce_max_ps(mv);
-  const __m512 mxv = _mm512_set1_ps(mx);
-  __m512 ps = _mm512_setzero_ps();
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(mk, exp16_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sbuf + j0), mxv)));
-    _mm512_mask_storeu_ps(sbuf + j0, mk, e);
-    ps = _mm512_add_ps(ps, e);
-  }
-  const float sum = hsum16_avx(ps);
+inline void pv_avx(const float* p, const float* V, int64_t n, int64_t D, float* acc_mem) {
   const int64_t nc = D / 16;
   for (int64_t c = 0; c < nc; c += 8) {
     const int64_t cc = std::min<int64_t>(8, nc - c);
-    const float* V = Vb + c * 16;
-    float* o = out + c * 16;
+    const float* Vc = V + c * 16;
+    float* a = acc_mem + c * 16;
     switch (cc) {
-      case 1: pv_avx<1>(sbuf, V, n, D, 0.f, sum, o); break;
-      case 2: pv_avx<2>(sbuf, V, n, D, 0.f, sum, o); break;
-      case 3: pv_avx<3>(sbuf, V, n, D, 0.f, sum, o); break;
-      case 4: pv_avx<4>(sbuf, V, n, D, 0.f, sum, o); break;
-      case 5: pv_avx<5>(sbuf, V, n, D, 0.f, sum, o); break;
-      case 6: pv_avx<6>(sbuf, V, n, D, 0.f, sum, o); break;
-      case 7: pv_avx<7>(sbuf, V, n, D, 0.f, sum, o); break;
-      default: pv_avx<8>(sbuf, V, n, D, 0.f, sum, o); break;
+      case 1: pv_block_avx<1>(p, Vc, n, D, a); break;
+      case 2: pv_block_avx<2>(p, Vc, n, D, a); break;
+      case 3: pv_block_avx<3>(p, Vc, n, D, a); break;
+      case 4: pv_block_avx<4>(p, Vc, n, D, a); break;
+      case 5: pv_block_avx<5>(p, Vc, n, D, a); break;
+      case 6: pv_block_avx<6>(p, Vc, n, D, a); break;
+      case 7: pv_block_avx<7>(p, Vc, n, D, a); break;
+      default: pv_block_avx<8>(p, Vc, n, D, a); break;
     }
+  }
+}
+
+// nh query heads (rows q0 + h*D) sharing one kv head; requires D % 16 == 0.
+// Keys are processed in blocks that stay in L1/L2 while all heads use them;
+// every score / output element is computed with exactly the same operation
+// sequence as attn_row_scalar (per head, sequential over keys).
+// scratch: nh * (n + 16) floats of scores followed by nh * D accumulators.
+void attn_heads_avx(const float* q0, int64_t nh, const float* Kb, const float* Vb, int64_t n, int64_t D,
+                    float scale, float* out0, float* scratch) {
+  const int64_t lds = (n + 16 + 15) / 16 * 16;
+  float* acc = scratch + nh * lds;
+  const int64_t jb = std::max<int64_t>(16, (32 * 1024) / (D * 4));
+  for (int64_t j0 = 0; j0 < n; j0 += jb) {
+    const int64_t j1 = std::min(n, j0 + jb);
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* q = q0 + h * D;
+      float* sb = scratch + h * lds;
+      int64_t j = j0;
+      for (; j + 4 <= j1; j += 4) scores_avx<4>(q, Kb + j * D, D, scale, sb + j);
+      for (; j < j1; ++j) scores_avx<1>(q, Kb + j * D, D, scale, sb + j);
+    }
+  }
+  std::vector<float> sums(nh);
+  for (int64_t h = 0; h < nh; ++h) {
+    float* sb = scratch + h * lds;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
+      mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sb + j0));
+    }
+    const __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 ps = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(mk, exp16_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sb + j0), mxv)));
+      _mm512_mask_storeu_ps(sb + j0, mk, e);
+      ps = _mm512_add_ps(ps, e);
+    }
+    sums[h] = hsum16_avx(ps);
+  }
+  std::fill(acc, acc + nh * D, 0.0f);
+  for (int64_t j0 = 0; j0 < n; j0 += jb) {
+    const int64_t j1 = std::min(n, j0 + jb);
+    for (int64_t h = 0; h < nh; ++h) pv_avx(scratch + h * lds + j0, Vb + j0 * D, j1 - j0, D, acc + h * D);
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    const __m512 sv = _mm512_set1_ps(sums[h]);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(out0 + h * D + d, _mm512_div_ps(_mm512_loadu_ps(acc + h * D + d), sv));
   }
 }
 
@@ -524,23 +554,35 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
   const int64_t mb = std::max<int64_t>(3, ((96 * 1024) / Kp) / 3 * 3);
   const int64_t work_per_tile = tile_bytes * std::max<int64_t>(1, M / 2);
   const int64_t grain = std::max<int64_t>(1, (48 * 1024) / work_per_tile);
-
-  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t tb = t0; tb < t1; tb += nb_tiles) {
-      const int64_t n0 = tb * NR;
-      const int64_t n1 = std::min(N, std::min(t1, tb + nb_tiles) * NR);
-      for (int64_t m0 = 0; m0 < M; m0 += mb) {
-        const int64_t m1 = std::min(M, m0 + mb);
+  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
+  // Work is handed out dynamically in chunks of tiles (an atomic counter), so
+  // a thread slowed down by other load does not hold back the whole call.
+  // Which thread computes a tile has no influence on the result.
+  const int64_t chunk = std::max<int64_t>(1, std::min(nb_tiles, std::max(grain, ntiles / (nth * 8))));
+  const int64_t nchunks = (ntiles + chunk - 1) / chunk;
+  auto run_chunk = [&](int64_t c) {
+    const int64_t t0 = c * chunk, t1 = std::min(ntiles, t0 + chunk);
+    const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
+    for (int64_t m0 = 0; m0 < M; m0 += mb) {
+      const int64_t m1 = std::min(M, m0 + mb);
 #ifdef SPECDEC_X86
-        if (avx) {
-          linear_block_avx(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
-          continue;
-        }
-#endif
-        linear_block_scalar(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+      if (avx) {
+        linear_block_avx(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+        continue;
       }
+#endif
+      linear_block_scalar(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
     }
-  });
+  };
+  const int64_t workers = std::min(nth, nchunks);
+  if (workers <= 1 || at::in_parallel_region()) {
+    for (int64_t c = 0; c < nchunks; ++c) run_chunk(c);
+  } else {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) run_chunk(c);
+    });
+  }
   (void)avx;
   return y;
 }
@@ -582,27 +624,39 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   const float* vp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool avx = use_avx() && D % 16 == 0;
-  const int64_t work = std::max<int64_t>(1, maxn * D);
+  // work item = (row, kv head, sub-group of the query heads sharing it); the
+  // split only decides which thread computes what, never how.
+  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
+  int64_t sub = group;
+  while (sub > 1 && M * Hkv * ((group + sub - 1) / sub) < 2 * nth) sub = (sub + 1) / 2;
+  const int64_t nsub = (group + sub - 1) / sub;
+  const int64_t items = M * Hkv * nsub;
+  const int64_t work = std::max<int64_t>(1, maxn * D * sub);
   const int64_t grain = std::max<int64_t>(1, 16384 / work);
-  at::parallel_for(0, M * Hq, grain, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     thread_local Scratch sbuf_mem;
-    float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(maxn + 16) * 4));
+    const int64_t lds = (maxn + 16 + 15) / 16 * 16;
+    float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(sub * (lds + D) + 16) * 4));
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m = i / Hq, h = i % Hq, kvh = h / group;
+      const int64_t m = i / (Hkv * nsub), kvh = (i / nsub) % Hkv, sg = i % nsub;
+      const int64_t h0 = kvh * group + sg * sub;
+      const int64_t nh = std::min(sub, group - sg * sub);
       const int64_t n = b[m] - a[m];
-      float* o = op + i * D;
+      float* o = op + (m * Hq + h0) * D;
+      const float* qh = qp + (m * Hq + h0) * D;
       if (n <= 0) {
-        std::fill(o, o + D, 0.0f);
+        std::fill(o, o + nh * D, 0.0f);
         continue;
       }
       const int64_t base = ((int64_t(sp[m]) * Hkv + kvh) * Lmax + a[m]) * D;
 #ifdef SPECDEC_X86
       if (avx) {
-        attn_row_avx(qp + i * D, kp + base, vp + base, n, D, scale, o, sbuf);
+        attn_heads_avx(qh, nh, kp + base, vp + base, n, D, scale, o, sbuf);
         continue;
       }
 #endif
-      attn_row_scalar(qp + i * D, kp + base, vp + base, n, D, scale, o, sbuf);
+      for (int64_t h = 0; h < nh; ++h)
+        attn_row_scalar(qh + h * D, kp + base, vp + base, n, D, scale, o + h * D, sbuf);
     }
   });
   (void)avx;
