@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.kernels import ops
+from specdec.kernels.ops import QuantizedWeight as QW
 
 SHAPES = [
     (640, 1024),
@@ -46,8 +47,26 @@ def _median_time(fn, min_reps: int = 5, max_reps: int = 200, budget_s: float = 0
     return statistics.median(ts)
 
 
-def bench_linear(shapes, ms, baselines=True):
-    print(f"\n== q8_linear (isa={ops.kernel_isa()}, threads={torch.get_num_threads()}) ==")
+def _rotating(make, nbytes: int, cold: bool):
+    """A callable cycling through enough weight copies to overflow the L3 (cold) or one copy (hot)."""
+    copies = min(64, max(1, -(-COLD_BYTES // nbytes))) if cold else 1
+    ws = [make() for _ in range(copies)]
+    state = [0]
+
+    def next_weight():
+        i = state[0]
+        state[0] = (i + 1) % copies
+        return ws[i]
+
+    return next_weight
+
+
+COLD_BYTES = 96 << 20  # > 32 MiB L3: every call streams its weight from DRAM, as in a real model
+
+
+def bench_linear(shapes, ms, baselines=True, cold=True):
+    mode = "cold (weights from DRAM)" if cold else "hot (weight may sit in L2/L3)"
+    print(f"\n== q8_linear (isa={ops.kernel_isa()}, threads={torch.get_num_threads()}, {mode}) ==")
     hdr = f"{'shape KxN':>14} {'impl':>5} " + " ".join(f"{'M=' + str(m):>9}" for m in ms)
     hdr += f" {'T8/T1':>6} {'GB/s@1':>7}"
     print(hdr)
@@ -57,16 +76,17 @@ def bench_linear(shapes, ms, baselines=True):
         g = torch.Generator().manual_seed(0)
         w = torch.randn(n, k, generator=g) * 0.05
         qw = ops.quantize_weight(w)
-        impls = [("q8", lambda x, qw=qw: ops.q8_linear(x, qw), n * k)]
+        impls = [("q8", _rotating(lambda: QW(qw.qweight.clone(), qw.scale, k), n * k, cold), ops.q8_linear, n * k)]
         if baselines:
             wb = w.to(torch.bfloat16)
-            impls.append(("bf16", lambda x, wb=wb: F.linear(x.to(torch.bfloat16), wb), 2 * n * k))
-            impls.append(("fp32", lambda x, w=w: F.linear(x, w), 4 * n * k))
-        for name, fn, nbytes in impls:
+            impls.append(("bf16", _rotating(lambda: wb.clone(), 2 * n * k, cold),
+                          lambda x, wt: F.linear(x.to(torch.bfloat16), wt), 2 * n * k))
+            impls.append(("fp32", _rotating(lambda: w.clone(), 4 * n * k, cold), F.linear, 4 * n * k))
+        for name, weights, fn, nbytes in impls:
             times = {}
             for m in ms:
                 x = torch.randn(m, k, generator=g)
-                times[m] = _median_time(lambda: fn(x))
+                times[m] = _median_time(lambda: fn(x, weights()))
             t1 = times[ms[0]]
             ratio = times[8] / t1 if 8 in times else float("nan")
             row = f"{k:>6}x{n:<7} {name:>5} " + " ".join(f"{times[m] * 1e3:8.3f}m" for m in ms)
@@ -112,6 +132,7 @@ def main(argv=None):
     p.add_argument("--ms", default="1,2,4,8,16")
     p.add_argument("--no-baselines", action="store_true", help="skip bf16/fp32 F.linear")
     p.add_argument("--skip-attention", action="store_true")
+    p.add_argument("--hot", action="store_true", help="reuse one weight copy (it may stay cached)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     ops.build_kernels()
@@ -120,7 +141,7 @@ def main(argv=None):
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     bench_overhead()
-    bench_linear(shapes, ms, baselines=not args.no_baselines)
+    bench_linear(shapes, ms, baselines=not args.no_baselines, cold=not args.hot)
     if not args.skip_attention:
         bench_attention()
 

@@ -254,8 +254,12 @@ def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
 
 
 def q8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] fp32 -> [..., N] fp32.  Bitwise row invariant on the CPU kernel."""
-    if x.device.type == "cpu":
+    """x [..., K] fp32 -> [..., N] fp32.  Bitwise row invariant on the CPU kernel.
+
+    Hot path: one cached-extension lookup, ``x.is_cpu`` and ``x.dim()``; all
+    other checks (dtype, contiguity, shapes) are done in C++.
+    """
+    if x.is_cpu:
         ext = _load()
         if ext is not None:
             if x.dim() == 2:
@@ -288,7 +292,7 @@ def attention(
     Row m attends keys ``key_start[m] .. key_end[m]-1`` of slot ``slots[m]``; head h uses
     kv head ``h // (Hq // Hkv)``.  Returns [M, Hq, D] fp32 (zeros for an empty range).
     """
-    if q.device.type == "cpu":
+    if q.is_cpu:
         ext = _load()
         if ext is not None:
             return ext.attention(q, k_cache, v_cache, slots, key_start, key_end, float(scale))

@@ -516,7 +516,8 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
                               : x_in.to(at::kFloat).contiguous();
   torch::Tensor bias;
   if (bias_in.has_value() && bias_in->defined()) {
-    bias = bias_in->to(at::kFloat).contiguous();
+    const torch::Tensor& bi = *bias_in;
+    bias = (bi.scalar_type() == at::kFloat && bi.is_contiguous()) ? bi : bi.to(at::kFloat).contiguous();
     TORCH_CHECK(bias.numel() == N, "q8_linear: bias must have ", N, " elements");
   }
   auto y = torch::empty({M, N}, x.options());
