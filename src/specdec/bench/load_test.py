@@ -1,0 +1,238 @@
+"""Load test for `specdec serve` (or any OpenAI-compatible server): closed-loop clients at each concurrency.
+
+    python -m specdec.bench.load_test --url http://127.0.0.1:8000 --concurrency 1,2,4,8,16 \\
+        --prompts /work/shared/data/spec_bench_dev.jsonl --category summarization --max-tokens 128 [--duration S]
+
+Each of C clients streams chat completions back to back (prompts taken round-robin from the category). Without
+--duration every level sends max(C, --requests) requests; with --duration it keeps sending for S seconds (soak).
+Per level: output tok/s (completion tokens / wall time), p50/p95 time to first token and request latency,
+errors (HTTP or in-band) and malformed responses (bad SSE, missing [DONE], usage that disagrees with the stream),
+server RSS and spec-decode counters from /metrics before and after. Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+SPEC_COUNTERS = ("specdec:spec_decode_num_drafts_total", "specdec:spec_decode_num_draft_tokens_total",
+                 "specdec:spec_decode_num_accepted_tokens_total")
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    malformed: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    completion_tokens: int = 0
+
+
+@dataclass
+class LevelReport:
+    concurrency: int
+    requests: int
+    errors: int
+    malformed: int
+    wall_s: float
+    completion_tokens: int
+    output_tok_s: float
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+    server_rss_mb: float | None
+    acceptance_rate: float | None  # accepted / drafted during this level, from /metrics
+    mean_accepted_length: float | None
+    error_samples: list[str] = field(default_factory=list)
+
+
+def load_prompts(path: str, category: str | None) -> list[str]:
+    prompts = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if category is None or row.get("category") == category:
+                prompts.append(row["turns"][0])
+    if not prompts:
+        raise ValueError(f"no prompts with category {category!r} in {path}")
+    return prompts
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                      headers: dict[str, str]) -> RequestResult:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, usage, done, pieces = None, None, False, 0
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                return RequestResult(ok=False, error=f"HTTP {response.status_code}: {text[:200]}")
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                if not line.startswith("data: "):
+                    return RequestResult(ok=False, malformed=True, error=f"not an SSE data line: {line[:80]!r}")
+                payload = line[len("data: "):]
+                if payload == "[DONE]":
+                    done = True
+                    continue
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    return RequestResult(ok=False, error=f"in-band error: {chunk['error'].get('message')}")
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices", []):
+                    if choice.get("delta", {}).get("content"):
+                        pieces += 1
+                        ttft = ttft if ttft is not None else time.perf_counter() - start
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, AttributeError) as error:
+        return RequestResult(ok=False, malformed=isinstance(error, (json.JSONDecodeError, KeyError, AttributeError)),
+                             error=f"{type(error).__name__}: {error}")
+    latency = time.perf_counter() - start
+    if not done or usage is None or usage.get("completion_tokens", 0) < pieces:
+        return RequestResult(ok=False, malformed=True, error=f"stream incomplete (done={done}, usage={usage})")
+    return RequestResult(ok=True, ttft_s=ttft if ttft is not None else latency, latency_s=latency,
+                         completion_tokens=int(usage["completion_tokens"]))
+
+
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, num_requests: int,
+                    duration_s: float | None, headers: dict[str, str], timeout_s: float) -> tuple[list[RequestResult], float]:
+    counter = iter(range(10**12))
+    results: list[RequestResult] = []
+    start = time.perf_counter()
+
+    def more() -> int | None:
+        i = next(counter)
+        if duration_s is not None:
+            return i if time.perf_counter() - start < duration_s else None
+        return i if i < num_requests else None
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while (i := more()) is not None:
+            results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens, headers))
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Unlabelled samples of /metrics ({} when the server has none)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.rpartition(" ")
+            try:
+                samples[name] = float(value)
+            except ValueError:
+                pass
+    return samples
+
+
+def summarize(concurrency: int, results: list[RequestResult], wall_s: float, before: dict, after: dict) -> LevelReport:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens for r in ok)
+    drafted = after.get(SPEC_COUNTERS[1], 0) - before.get(SPEC_COUNTERS[1], 0)
+    accepted = after.get(SPEC_COUNTERS[2], 0) - before.get(SPEC_COUNTERS[2], 0)
+    steps = after.get(SPEC_COUNTERS[0], 0) - before.get(SPEC_COUNTERS[0], 0)
+    rss = after.get("process_resident_memory_bytes")
+    return LevelReport(
+        concurrency=concurrency, requests=len(results), errors=len(results) - len(ok),
+        malformed=sum(r.malformed for r in results), wall_s=wall_s, completion_tokens=tokens,
+        output_tok_s=tokens / wall_s if wall_s > 0 else 0.0,
+        ttft_p50_s=percentile([r.ttft_s for r in ok], 0.5), ttft_p95_s=percentile([r.ttft_s for r in ok], 0.95),
+        latency_p50_s=percentile([r.latency_s for r in ok], 0.5),
+        latency_p95_s=percentile([r.latency_s for r in ok], 0.95),
+        server_rss_mb=rss / 2**20 if rss else None,
+        acceptance_rate=accepted / drafted if drafted else None,
+        mean_accepted_length=1 + accepted / steps if steps else None,
+        error_samples=sorted({r.error for r in results if r.error})[:5],
+    )
+
+
+def format_table(reports: list[LevelReport]) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.0f}"
+
+    def num(value: float | None, fmt: str) -> str:
+        return "-" if value is None else format(value, fmt)
+
+    header = (f"{'conc':>4} {'reqs':>5} {'err':>4} {'bad':>4} {'tok/s':>8} {'ttft p50':>9} {'ttft p95':>9} "
+              f"{'lat p50':>8} {'lat p95':>8} {'alpha':>6} {'tau':>5} {'rss MB':>7}")
+    rows = [header, "-" * len(header)]
+    for r in reports:
+        rows.append(f"{r.concurrency:>4} {r.requests:>5} {r.errors:>4} {r.malformed:>4} {r.output_tok_s:>8.1f} "
+                    f"{ms(r.ttft_p50_s):>9} {ms(r.ttft_p95_s):>9} {ms(r.latency_p50_s):>8} {ms(r.latency_p95_s):>8} "
+                    f"{num(r.acceptance_rate, '.2f'):>6} {num(r.mean_accepted_length, '.2f'):>5} "
+                    f"{num(r.server_rss_mb, '.0f'):>7}")
+    return "\n".join(rows) + "\n(times in ms; tok/s = completion tokens / wall time of the level)"
+
+
+def served_model(url: str, headers: dict[str, str]) -> str:
+    response = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated client counts")
+    parser.add_argument("--prompts", default="/work/shared/data/spec_bench_dev.jsonl")
+    parser.add_argument("--category", default="summarization", help="'all' for every category")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
+    parser.add_argument("--duration", type=float, default=None, help="seconds per level (soak) instead of --requests")
+    parser.add_argument("--model", default=None, help="model id (default: the server's first /v1/models entry)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    parser.add_argument("--output", default="load_test.json", help="JSON report path")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    prompts = load_prompts(args.prompts, None if args.category == "all" else args.category)
+    model = args.model or served_model(args.url, headers)
+    reports = []
+    for concurrency in [int(c) for c in args.concurrency.split(",") if c.strip()]:
+        before = scrape(args.url)
+        results, wall_s = asyncio.run(run_level(args.url, model, prompts, concurrency, args.max_tokens,
+                                                max(concurrency, args.requests), args.duration, headers, args.timeout))
+        reports.append(summarize(concurrency, results, wall_s, before, scrape(args.url)))
+        print(f"[concurrency {concurrency}: {len(results)} requests in {wall_s:.1f} s]", file=sys.stderr)
+    print(format_table(reports))
+    report = {"url": args.url, "model": model, "category": args.category, "max_tokens": args.max_tokens,
+              "duration_s": args.duration, "levels": [asdict(r) for r in reports],
+              "errors": sum(r.errors for r in reports), "malformed": sum(r.malformed for r in reports)}
+    Path(args.output).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 1 if report["errors"] or report["malformed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""OpenAI-compatible request bodies, their validation, and the error bodies the server answers with.
+
+Requests are parsed strictly (no "5" -> 5 coercion, no true -> 1): a malformed field is a 400 naming the
+field (`param`), never a 5xx. Fields we do not implement but clients send by default are accepted when
+they are harmless (n=1, zero penalties); anything that would change the output and that we cannot honour
+is rejected instead of silently ignored.
+
+Extensions (as vLLM): `top_k`, `ignore_eos`, `speculative` (false = decode this request without drafts),
+`return_token_ids` (each choice/chunk carries the generated token ids).
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specdec.config import SamplingParams
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _CommonRequest(_Strict):
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0  # 0 (and -1, as vLLM) = off
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    presence_penalty: Literal[0, 0.0] = 0
+    frequency_penalty: Literal[0, 0.0] = 0
+    user: str | None = None
+    ignore_eos: bool = False
+    speculative: bool = True
+    return_token_ids: bool = False
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+        if any(not s for s in stops):
+            raise bad_request("stop strings must be non-empty", "stop")
+        return tuple(stops)
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = Union[str, Annotated[list[int], Field(min_length=1)], Annotated[list[str], Field(min_length=1, max_length=1)],
+               Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)]]
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: Prompt
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: Literal[False] = False
+    suffix: None = None
+    best_of: Literal[1] | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """Only one prompt per request (a one-element batch is unwrapped)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        return prompt
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text_content(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request("only text content parts ({'type': 'text', 'text': ...}) are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text_content()} for m in self.messages]
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_request(raw: bytes, model_cls: type[_CommonRequest]) -> _CommonRequest:
+    """Body bytes -> a validated request, or a 400 APIError naming the first offending field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(f"malformed JSON body: {error}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = _param_path(data, first["loc"], first["type"] == "missing")
+        raise bad_request(f"invalid value for {param}: {first['msg']}", param=param,
+                          code="missing_required_parameter" if first["type"] == "missing" else "invalid_value") from None
+
+
+def _param_path(data: Any, loc: tuple, missing: bool) -> str | None:
+    """The error location as the client wrote it ('messages.0.role'), without pydantic's union-member tags."""
+    parts, current = [], data
+    for part in loc:
+        if isinstance(current, dict) and part in current or isinstance(current, list) and isinstance(part, int) and 0 <= part < len(current):
+            parts.append(str(part))
+            current = current[part]
+    if missing and loc and (not parts or parts[-1] != str(loc[-1])):
+        parts.append(str(loc[-1]))
+    return ".".join(parts) or None
+
+
+def sampling_params(request: _CommonRequest, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+    top_k = 0 if request.top_k == -1 else request.top_k
+    seed = None if request.seed is None else request.seed % 2**63  # torch seeds are 64-bit
+    try:
+        return SamplingParams(temperature=float(request.temperature), top_k=top_k, top_p=float(request.top_p),
+                              seed=seed, max_tokens=max_tokens, stop=request.stop_strings(),
+                              ignore_eos=request.ignore_eos, logprobs=num_logprobs)
+    except ValueError as error:
+        raise bad_request(str(error)) from None
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+    """Defaults to the rest of the context; a request that cannot fit is a 400 with both lengths (as vLLM)."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{prompt_len} tokens; at least one token must remain for the completion.",
+            "prompt", "context_length_exceeded")
+    if requested is None:
+        return room
+    if requested > room:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion).",
+            "max_tokens", "context_length_exceeded")
+    return requested

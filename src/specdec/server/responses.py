@@ -1,0 +1,157 @@
+"""OpenAI response bodies and stream chunks built from StepOutputs (one builder per request).
+
+Completions:  choices[0].text, logprobs {tokens, token_logprobs, top_logprobs, text_offset}
+Chat:         choices[0].message.content / delta.content, logprobs {content: [{token, logprob, bytes, top_logprobs}]}
+Text comes from StepOutput.new_text (UTF-8 safe, stop-string aware), so the concatenated stream equals the
+non-streamed text; logprobs come from StepOutput.new_logprobs (the target's raw distribution).
+"""
+from __future__ import annotations
+
+import abc
+import json
+import math
+import time
+from typing import Any
+
+from specdec.engine.engine import StepOutput, TokenLogprob
+from specdec.models.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+class ResponseBuilder(abc.ABC):
+    """Accumulates one request's outputs; renders stream chunks and the final body."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, prompt_tokens: int,
+                 return_token_ids: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prompt_tokens = prompt_tokens
+        self.return_token_ids = return_token_ids
+        self.created = int(time.time())
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None
+        self.finish_reason: str | None = None
+
+    # ---- shared ----------------------------------------------------------------------------------------
+    def add(self, output: StepOutput) -> None:
+        self.text += output.new_text
+        self.token_ids.extend(output.new_token_ids)
+        if output.new_logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(output.new_logprobs)
+        self.finish_reason = output.finish_reason
+
+    def usage(self) -> dict[str, int]:
+        completion = len(self.token_ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _with_token_ids(self, choice: dict[str, Any], token_ids) -> dict[str, Any]:
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_object_name, []), "usage": self.usage()}
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    @abc.abstractmethod
+    def chunk(self, output: StepOutput) -> dict[str, Any]:
+        """The stream chunk for one step's output (also accumulates it)."""
+
+    @abc.abstractmethod
+    def response(self) -> dict[str, Any]:
+        """The non-streamed body from everything added."""
+
+
+class CompletionBuilder(ResponseBuilder):
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._text_offset = 0
+
+    def _logprobs(self, logprobs) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        tokens, offsets = [], []
+        for entry in logprobs:
+            tokens.append(self.token_text(entry.token_id))
+            offsets.append(self._text_offset)
+            self._text_offset += len(tokens[-1])
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(entry.logprob) for entry in logprobs],
+            "top_logprobs": [{self.token_text(t): _finite(v) for t, v in entry.top} for entry in logprobs],
+            "text_offset": offsets,
+        }
+
+    def chunk(self, output: StepOutput) -> dict[str, Any]:
+        self.add(output)
+        choice = {"index": 0, "text": output.new_text, "logprobs": self._logprobs(output.new_logprobs),
+                  "finish_reason": output.finish_reason}
+        return self._envelope(self.chunk_object_name, [self._with_token_ids(choice, output.new_token_ids)])
+
+    def response(self) -> dict[str, Any]:
+        self._text_offset = 0
+        choice = {"index": 0, "text": self.text, "logprobs": self._logprobs(self.logprobs),
+                  "finish_reason": self.finish_reason}
+        return {**self._envelope(self.object_name, [self._with_token_ids(choice, self.token_ids)]),
+                "usage": self.usage()}
+
+
+class ChatBuilder(ResponseBuilder):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _logprobs(self, logprobs) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        return {"content": [
+            {**self._entry(entry.token_id, entry.logprob),
+             "top_logprobs": [self._entry(token_id, value) for token_id, value in entry.top]}
+            for entry in logprobs
+        ]}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return [self._envelope(self.chunk_object_name, [choice])]
+
+    def chunk(self, output: StepOutput) -> dict[str, Any]:
+        self.add(output)
+        delta = {"content": output.new_text} if output.new_text or not output.finished else {}
+        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(output.new_logprobs),
+                  "finish_reason": output.finish_reason}
+        return self._envelope(self.chunk_object_name, [self._with_token_ids(choice, output.new_token_ids)])
+
+    def response(self) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
+                  "logprobs": self._logprobs(self.logprobs), "finish_reason": self.finish_reason}
+        return {**self._envelope(self.object_name, [self._with_token_ids(choice, self.token_ids)]),
+                "usage": self.usage()}

@@ -1,0 +1,34 @@
+"""The load script against a tiny-model server: every level completes without errors or malformed
+responses, and the JSON report carries throughput, latency percentiles, RSS and acceptance."""
+import json
+
+from specdec.bench import load_test
+
+
+def test_load_test_against_tiny_server(ngram_server, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"question_id": i, "category": "summarization", "turns": [f"repeat abc abc abc {i}"]} for i in range(5)]
+    rows.append({"question_id": 99, "category": "qa", "turns": ["not this one"]})
+    prompts.write_text("\n".join(json.dumps(row) for row in rows))
+    output = tmp_path / "report.json"
+    code = load_test.main(["--url", ngram_server.url, "--concurrency", "1,4", "--prompts", str(prompts),
+                           "--category", "summarization", "--max-tokens", "16", "--requests", "6",
+                           "--output", str(output)])
+    report = json.loads(output.read_text())
+    assert code == 0 and report["errors"] == 0 and report["malformed"] == 0
+    assert [level["concurrency"] for level in report["levels"]] == [1, 4]
+    for level in report["levels"]:
+        assert level["requests"] == 6 and level["output_tok_s"] > 0
+        assert 0 < level["ttft_p50_s"] <= level["ttft_p95_s"] and level["latency_p50_s"] <= level["latency_p95_s"]
+        assert level["server_rss_mb"] > 1 and level["acceptance_rate"] is not None
+    assert "tok/s" in capsys.readouterr().out
+
+
+def test_load_test_counts_errors(ngram_server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"category": "x", "turns": ["y" * 400]}))  # longer than the tiny context
+    output = tmp_path / "report.json"
+    code = load_test.main(["--url", ngram_server.url, "--concurrency", "2", "--prompts", str(prompts),
+                           "--category", "x", "--max-tokens", "8", "--requests", "2", "--output", str(output)])
+    report = json.loads(output.read_text())
+    assert code == 1 and report["errors"] == 2 and "HTTP 400" in report["levels"][0]["error_samples"][0]
