@@ -137,7 +137,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device)
     if args.max_verify_tokens is not None:  # LLM does not take it; the policy is a frozen dataclass on the engine
         llm.engine.draft_policy = dataclasses.replace(llm.engine.draft_policy, max_verify_tokens=args.max_verify_tokens)
-    app = create_app(llm, ServerConfig(model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue))
+    app = create_app(llm, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
+                                        max_queue=args.max_queue))
     print(f"[serving {app.state.server.model_name} on http://{args.host}:{args.port}]", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -153,7 +154,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 503")
     parser.add_argument("--max-verify-tokens", type=int, default=None, help="verify-token budget per step (draft policy)")
-    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
+    parser.add_argument("--served-model-name", default=None, help="model id clients send (default: MODEL as given)")
     parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default=None)
