@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters.base import Drafter
 from specdec.drafters.factory import build_drafter
 from specdec.engine.engine import Engine, StepOutput
 from specdec.engine.metrics import SpecDecodeMetrics
@@ -47,17 +48,24 @@ class LLM:
         max_num_seqs: int = 8,
         device: str | None = None,
         loaded: tuple[Transformer, Tokenizer] | None = None,
+        drafter: Drafter | None = None,
+        max_verify_tokens: int = 32,
+        prefill_chunk: int = 512,
     ) -> None:
+        """loaded: an already built (model, tokenizer) to share between LLMs; drafter: a ready drafter to use
+        instead of building the one speculative_config names (its num_speculative_tokens still applies)."""
         self.spec_config = _as_spec_config(speculative_config)
         self.device = torch.device(device) if device else default_device()
         self.model, self.tokenizer = loaded if loaded is not None else load_model(model, weight_format, self.device)
         self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
-        drafter = None
-        if self.spec_config is not None:
+        if self.spec_config is not None and drafter is None:
             drafter = build_drafter(self.spec_config, self.model, self.tokenizer, weight_format=weight_format,
                                     max_model_len=self.max_model_len, max_num_seqs=max_num_seqs)
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
-        self.engine = Engine(self.model, self.tokenizer, max_num_seqs, self.max_model_len, drafter, k)
+        if drafter is not None and self.spec_config is None:
+            raise ValueError("a drafter needs a speculative_config (for num_speculative_tokens)")
+        self.engine = Engine(self.model, self.tokenizer, max_num_seqs, self.max_model_len, drafter, k,
+                             prefill_chunk=prefill_chunk, max_verify_tokens=max_verify_tokens)
 
     def encode_prompt(self, prompt: str | Sequence[int] | list[dict], chat: bool = False) -> list[int]:
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):

@@ -106,3 +106,22 @@ def test_generation_stops_at_context_end(make_tiny_model, tiny_tokenizer):
     while engine.has_unfinished():
         engine.step()
     assert seq.finish_reason == "length" and len(seq.all_token_ids) == 24
+
+
+def test_chunked_prefill_interleaves_with_decoding_and_changes_nothing(make_tiny_model, tiny_tokenizer):
+    model = make_tiny_model("gemma3")
+    params = SamplingParams(max_tokens=12)
+    expected = generate(model, tiny_tokenizer, PROMPTS, params)
+    engine = Engine(model, tiny_tokenizer, max_num_seqs=4, max_model_len=256, prefill_chunk=4)
+    first = engine.add_request(PROMPTS[0], params)
+    engine.step()  # 3-token prompt fits in one chunk: first token out
+    assert len(first.output_token_ids) == 1
+    late = engine.add_request(PROMPTS[3], params)  # 13 tokens: 4 prefill steps of at most 4 tokens
+    for _ in range(3):
+        engine.step()
+        assert late.prefilling and not late.output_token_ids
+    assert len(first.output_token_ids) == 4  # the running stream kept decoding meanwhile
+    others = [engine.add_request(prompt, params) for prompt in PROMPTS[1:3]]
+    while engine.has_unfinished():
+        engine.step()
+    assert [first.output_token_ids, others[0].output_token_ids, others[1].output_token_ids, late.output_token_ids] == expected

@@ -124,38 +124,56 @@ class Engine:
 
     # ---- stepping -------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Decodes every running sequence once, then admits waiting requests into free slots (prefill)."""
-        running = [seq for seq in self.running if not seq.finished]
-        outputs = self._decode_step(running) if running else []
-        while self.waiting and self.cache.free_slots:
-            outputs.append(self._admit(self.waiting.popleft()))
+        """Decodes every running sequence once, then advances prompts by at most `prefill_chunk` tokens.
+
+        Prefill is chunked across steps (unfinished prompts first, then new admissions into free slots), so
+        a long or a burst of new prompts never stalls the running streams for more than one chunk.
+        """
+        decoding = [seq for seq in self.running if seq.output_token_ids and not seq.finished]
+        outputs = self._decode_step(decoding) if decoding else []
+        outputs += self._prefill_step()
         for seq in [seq for seq in self.running if seq.finished]:
             self._release(seq)
         return outputs
 
-    def _admit(self, seq: Sequence) -> StepOutput:
+    def _prefill_step(self) -> list[StepOutput]:
+        chunks: list[tuple[Sequence, list[int]]] = []
+        budget = self.prefill_chunk
+        prefilling = [seq for seq in self.running if seq.prefilling]
+        while budget > 0 and (prefilling or (self.waiting and self.cache.free_slots)):
+            seq = prefilling.pop(0) if prefilling else self._admit(self.waiting.popleft())
+            chunk = seq.prompt_token_ids[seq.num_cached : seq.num_cached + budget]
+            chunks.append((seq, chunk))
+            budget -= len(chunk)
+        if not chunks:
+            return []
+        batch = ForwardBatch.build([chunk for _, chunk in chunks], [seq.num_cached for seq, _ in chunks],
+                                   [seq.slot for seq, _ in chunks], all_logits=False, device=self.model.device)
+        last_logits = self.model.forward(batch, self.cache)  # [len(chunks), vocab]
+        outputs = []
+        for row, (seq, chunk) in enumerate(chunks):
+            seq.num_cached += len(chunk)
+            if not seq.prefilling:
+                outputs.append(self._first_token(seq, last_logits[row : row + 1]))
+        return outputs
+
+    def _admit(self, seq: Sequence) -> Sequence:
         seq.slot = self.cache.allocate()
-        self.running.append(seq)
+        self.running.append(seq)  # from here on abort() finds it and frees the slot
         if seq.speculative:
             start = time.perf_counter()
             self.drafter.add_request(seq.request_id, seq.prompt_token_ids, seq.params, seq.generator)
             seq.metrics.draft_time_s += time.perf_counter() - start
-        logits = self._prefill(seq)  # [1, vocab]
+        return seq
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        """logits [1, vocab] after the whole prompt."""
         token_id = self._sample_one(seq, logits)
         new_text = seq.append(token_id, TokenKind.TARGET)
         if seq.speculative:
             self.drafter.observe(seq.request_id, [token_id])
         return StepOutput(seq.request_id, (token_id,), (TokenKind.TARGET,), new_text, seq.finish_reason,
                           token_logprobs(logits, [token_id], seq.params.logprobs))
-
-    def _prefill(self, seq: Sequence) -> torch.Tensor:
-        prompt = seq.prompt_token_ids
-        for start in range(0, len(prompt), self.prefill_chunk):
-            chunk = prompt[start : start + self.prefill_chunk]
-            batch = ForwardBatch.build([chunk], [start], [seq.slot], all_logits=False, device=self.model.device)
-            logits = self.model.forward(batch, self.cache)
-        seq.num_cached = len(prompt)
-        return logits
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         """logits [1, vocab] -> one token, exactly as plain decoding samples it."""
@@ -237,6 +255,7 @@ class Engine:
         if seq in self.running:
             self.running.remove(seq)
             self.cache.free(seq.slot)
+            seq.slot = -1
             if seq.speculative:
                 self.drafter.remove_request(seq.request_id)
 

@@ -49,6 +49,11 @@ class Sequence:
         return self.output_token_ids[-1]
 
     @property
+    def prefilling(self) -> bool:
+        """Admitted, but the prompt is not yet fully in the cache."""
+        return self.slot >= 0 and self.num_cached < len(self.prompt_token_ids)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
