@@ -13,7 +13,8 @@ from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.engine.batch import ForwardBatch
-from specdec.engine.engine import BatchDraftPolicy, Engine
+from specdec.engine.draft_policy import BatchDraftPolicy
+from specdec.engine.engine import Engine
 from specdec.engine.sequence import TokenKind
 from specdec.verify import rejection
 from specdec.verify.sampling import logits_to_probs

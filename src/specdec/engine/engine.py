@@ -17,6 +17,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
 from specdec.engine.batch import ForwardBatch
+from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence, TokenKind, new_sequence
 from specdec.models.tokenizer import Tokenizer
@@ -25,23 +26,6 @@ from specdec.verify.rejection import VerifyResult, verify_greedy, verify_rejecti
 from specdec.verify.sampling import logits_to_probs, make_generator, sample
 
 EMPTY_DRAFT = Draft(token_ids=(), draft_probs=None)
-
-
-@dataclass(frozen=True)
-class BatchDraftPolicy:
-    """Draft length per step from the batch size.
-
-    Verification is nearly free while one target forward stays memory-bound: up to `max_verify_tokens`
-    rows in total (the knee of the measured T(n) curve, see `specdec.bench.runtime_bench`). With B running
-    sequences each gets k = min(num_speculative_tokens, max_verify_tokens // B - 1) draft tokens, and
-    speculation switches off (k = 0) once B + B·1 rows would pass the knee.
-    """
-
-    num_speculative_tokens: int
-    max_verify_tokens: int = 32
-
-    def draft_length(self, batch_size: int) -> int:
-        return max(0, min(self.num_speculative_tokens, self.max_verify_tokens // max(1, batch_size) - 1))
 
 
 @dataclass(frozen=True)
@@ -80,6 +64,7 @@ class Engine:
         num_speculative_tokens: int = 0,
         prefill_chunk: int = 512,
         max_verify_tokens: int = 32,
+        draft_policy: DraftLengthPolicy | None = None,
     ) -> None:
         if drafter is not None and num_speculative_tokens < 1:
             raise ValueError("a drafter needs num_speculative_tokens >= 1")
@@ -88,7 +73,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device)
         self.drafter = drafter
-        self.draft_policy = BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)
+        self.draft_policy = draft_policy or BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)
         self.prefill_chunk = prefill_chunk
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -204,9 +189,9 @@ class Engine:
     def _propose(self, seqs: list[Sequence]) -> list[Draft]:
         speculating = [seq for seq in seqs if seq.speculative]
         drafts = {}
-        k = self.draft_policy.draft_length(len(seqs))
-        if speculating and k > 0:
-            budgets = [seq.max_draft_tokens(k) for seq in speculating]
+        lengths = self.draft_policy.draft_lengths(speculating, batch_size=len(seqs)) if speculating else []
+        if any(lengths):
+            budgets = [seq.max_draft_tokens(k) for seq, k in zip(speculating, lengths)]
             proposed = self.drafter.propose([seq.request_id for seq in speculating], budgets)
             drafts = {seq.request_id: draft for seq, draft in zip(speculating, proposed)}
         return [drafts.get(seq.request_id, EMPTY_DRAFT) for seq in seqs]

@@ -1,0 +1,38 @@
+"""How many tokens each speculating sequence drafts in a step (k = 0: no speculation this step)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence as SequenceOf
+
+from specdec.engine.sequence import Sequence
+
+
+class DraftLengthPolicy(ABC):
+    @abstractmethod
+    def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int) -> list[int]:
+        """Draft length per speculating sequence; batch_size counts every sequence in the step.
+
+        Each sequence's own acceptance history is in `seq.metrics` (per-position drafted/accepted counts).
+        The engine still caps each length by the sequence's remaining tokens and context.
+        """
+
+
+@dataclass(frozen=True)
+class BatchDraftPolicy(DraftLengthPolicy):
+    """Fixed k, shortened with the batch size.
+
+    Verification is nearly free while one target forward stays memory-bound: up to `max_verify_tokens`
+    rows in total (the knee of the measured T(n) curve, see `specdec.bench.runtime_bench`). With B running
+    sequences each gets k = min(num_speculative_tokens, max_verify_tokens // B - 1) draft tokens, and
+    speculation switches off (k = 0) once B + B·1 rows would pass the knee.
+    """
+
+    num_speculative_tokens: int
+    max_verify_tokens: int = 32
+
+    def draft_length(self, batch_size: int) -> int:
+        return max(0, min(self.num_speculative_tokens, self.max_verify_tokens // max(1, batch_size) - 1))
+
+    def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int) -> list[int]:
+        return [self.draft_length(batch_size)] * len(seqs)
