@@ -155,7 +155,7 @@ def _tile(packed: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class QuantizedWeight:
-    """Symmetric per-output-row int8 weight.
+    """Symmetric int8 weight with one fp16 scale per output row and block of 32 inputs.
 
     ``qweight`` is ``[out_features, in_padded]`` **uint8** holding ``q + 128``
     (q in [-127, 127]) in the kernel's packed order, so that the kernel reads
@@ -171,7 +171,10 @@ class QuantizedWeight:
       ``N % 4`` rows are stored plainly.  So ``qweight[i]`` is NOT row i:
       use :meth:`int8` for natural-order signed values and :meth:`from_int8`
       to build one from natural int8 data.
-    ``scale`` is ``[out_features]`` fp32; ``w ~= q * scale``.
+    ``scale`` is ``[out_features, in_padded // 32]`` **fp16**, one scale per row and
+    block of 32 input columns (natural block order; the same blocks as the Q8_0
+    activation quantization); ``w[n, k] ~= q[n, k] * scale[n, k // 32]`` (the
+    product is exact in fp32).  Padding blocks have scale 0.
     """
 
     qweight: torch.Tensor
@@ -189,14 +192,20 @@ class QuantizedWeight:
 
     @classmethod
     def from_int8(cls, q: torch.Tensor, scale: torch.Tensor) -> "QuantizedWeight":
-        """Pack natural-order int8 ``q`` [N, K] (values in [-127, 127]) and fp32 ``scale`` [N]."""
+        """Pack natural-order int8 ``q`` [N, K] (values in [-127, 127]) and per-block scales
+        ``scale`` [N, ceil(K/32)] (or [N, Kp/32]; any float dtype, stored as fp16)."""
         n, k = q.shape
         kp = -(-k // CHUNK) * CHUNK
+        nb = -(-k // BLOCK)
+        if scale.dim() != 2 or scale.shape[0] != n or scale.shape[1] not in (nb, kp // BLOCK):
+            raise ValueError(f"scale must be [{n}, {nb}] (one per row and block of {BLOCK}), got {tuple(scale.shape)}")
+        sc = torch.zeros(n, kp // BLOCK, dtype=torch.float16, device=q.device)
+        sc[:, :nb] = scale[:, :nb].to(device=q.device, dtype=torch.float16)
         u8 = torch.full((n, kp), 128, dtype=torch.uint8, device=q.device)
         u8[:, :k] = (q.to(torch.int16) + 128).to(torch.uint8)
         idx = _pack_index(kp).to(q.device)
         packed = _tile(u8.index_select(1, idx))
-        return cls(packed, scale.to(torch.float32).contiguous(), k)
+        return cls(packed, sc, k)
 
     def int8(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Natural-order signed weights [N (or len(rows)), in_features] int8."""
@@ -216,9 +225,14 @@ class QuantizedWeight:
         inv = _unpack_index(self.in_padded, qw.device)[: self.in_features]
         return (qw.index_select(1, inv).to(torch.int16) - 128).to(torch.int8)
 
+    def _scales(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-element fp32 scales [N (or len(rows)), in_features]."""
+        s = self.scale if rows is None else self.scale.index_select(0, rows)
+        return s.to(torch.float32).repeat_interleave(BLOCK, dim=1)[:, : self.in_features]
+
     def dequantize(self) -> torch.Tensor:
-        """[out_features, in_features] fp32."""
-        return self.int8().to(torch.float32) * self.scale[:, None]
+        """[out_features, in_features] fp32 (exactly q * scale)."""
+        return self.int8().to(torch.float32) * self._scales()
 
     def _dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (dtype, device)
@@ -230,21 +244,38 @@ class QuantizedWeight:
 
 
 def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric per-row int8: scale = amax/127, q = round(w / scale) (half to even)."""
+    """Symmetric int8 per row and block of 32 inputs with fp16 scales.
+
+    The fp16 scale is chosen first: the nearest fp16 to amax/127, moved up one
+    step if amax / scale would exceed 127 (so no value is clipped); then
+    q = round(w / scale) (half to even), clamped to [-127, 127].  So
+    |w - q * scale| <= scale / 2 for every element.  Blocks with amax below
+    ~7.7e-3 get subnormal fp16 scales (coarser, absolute error <= 2**-25).
+    """
     assert weight.dim() == 2, "weight must be [out_features, in_features]"
     w = weight.detach()
     n, k = w.shape
     kp = -(-k // CHUNK) * CHUNK
-    scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    nbp = kp // BLOCK
+    scale = torch.zeros(n, nbp, dtype=torch.float16, device=w.device)
     u8 = torch.full((n, kp), 128, dtype=torch.uint8, device=w.device)
-    step = max(1, (1 << 24) // max(1, k))  # bound the fp32 temporaries
+    step = max(1, (1 << 24) // max(1, kp))  # bound the fp32 temporaries
     for r0 in range(0, n, step):
-        wr = w[r0 : r0 + step].to(torch.float32)
-        s = wr.abs().amax(dim=1) / 127.0
+        r1 = min(n, r0 + step)
+        wr = torch.zeros(r1 - r0, kp, dtype=torch.float32, device=w.device)
+        wr[:, :k] = w[r0:r1]
+        wb = wr.view(r1 - r0, nbp, BLOCK)
+        amax = wb.abs().amax(dim=2)
+        s16 = (amax / 127.0).to(torch.float16)
+        if not bool(torch.isfinite(s16).all()):
+            raise ValueError("weight too large for fp16 block scales (|w| > 8.3e6) or not finite")
+        up = amax / s16.to(torch.float32) > 127.0  # also catches scales that underflowed to 0
+        s16 = torch.where(up, (s16.view(torch.int16) + 1).view(torch.float16), s16)
+        s = s16.to(torch.float32)
         safe = torch.where(s > 0, s, torch.ones_like(s))
-        q = torch.round(wr / safe[:, None]).clamp_(-127, 127)
-        u8[r0 : r0 + step, :k] = (q + 128).to(torch.uint8)
-        scale[r0 : r0 + step] = s
+        q = torch.round(wb / safe[:, :, None]).clamp_(-127, 127).view(r1 - r0, kp)
+        u8[r0:r1, :k] = (q[:, :k] + 128).to(torch.uint8)
+        scale[r0:r1] = s16
     idx = _pack_index(kp).to(w.device)
     packed = _tile(u8.index_select(1, idx))
     return QuantizedWeight(packed, scale, k)
@@ -325,5 +356,5 @@ def _attention_torch(q, k_cache, v_cache, slots, key_start, key_end, scale) -> t
 def embedding(token_ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """[n] token ids -> [n, in_features] fp32 dequantized rows."""
     ids = token_ids.reshape(-1).to(device=weight.qweight.device, dtype=torch.long)
-    rows = weight.int8(ids).to(torch.float32) * weight.scale.index_select(0, ids)[:, None]
+    rows = weight.int8(ids).to(torch.float32) * weight._scales(ids)
     return rows.view(*token_ids.shape, weight.in_features)

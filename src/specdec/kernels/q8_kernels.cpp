@@ -16,17 +16,23 @@
 // so one tile is read as a single sequential stream (the hardware prefetcher
 // handles one long stream much better than 4 short ones); the last N % 4 rows
 // are stored as plain rows.
+// Weight scales: wscale [N, Kp/32] fp16, one per weight row and block of 32
+// input values (natural block order), i.e. the same blocks as the activations.
+// For a group unit lane l uses block u*16 + l; for a tail chunk lanes 0-7 use
+// block A and lanes 8-15 block B.
 // Activations are quantized per row and block of 32 (scale = amax/127, round
 // to nearest even) into the same layout.  For every unit the accumulator is
 // initialised with -128 * sum(x_block) in one lane per block, which cancels
 // the +128 bias of the unsigned weights exactly.  Then
-//   facc[lane] = fma(float(iacc[lane]), xscale[lane], facc[lane])
-// and y = hsum16(facc) * wscale[n] (+ bias[n]), hsum16 a fixed tree.
+//   facc[lane] = fma(float(iacc[lane]), xscale[lane] * wscale[lane], facc[lane])
+// (the product rounded to fp32 first, -ffp-contract=off) and
+// y = hsum16(facc) (+ bias[n]), hsum16 a fixed tree.
 // The scalar path performs exactly the same operations lane by lane, so both
 // paths give bitwise identical results.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
@@ -52,7 +58,7 @@ bool cpu_has_avx512vnni() {
 #ifdef SPECDEC_X86
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-                         __builtin_cpu_supports("fma");
+                         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return ok;
 #else
   return false;
@@ -60,6 +66,9 @@ bool cpu_has_avx512vnni() {
 }
 
 inline bool use_avx() { return !g_force_scalar && cpu_has_avx512vnni(); }
+
+// exact fp16 -> fp32 (identical to vcvtph2ps)
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // --------------------------------------------------------------------------
 // fixed-order helpers (scalar emulation of the SIMD trees)
@@ -178,11 +187,19 @@ void quantize_rows(const float* x, int64_t K, const Layout& L, int64_t m0, int64
 // scalar linear tile (one weight row x one activation row)
 
 // w: first chunk of the row, cs: byte distance between consecutive 64-byte chunks
+// ws: the row's fp16 block scales [Kp/32]
 void dot_row_scalar(const uint8_t* w, int64_t cs, const int8_t* x, const int32_t* corr, const float* xs, const Layout& L,
-                    float wscale, const float* bias, float* y) {
+                    const uint16_t* ws, const float* bias, float* y) {
   float fa[16] = {0};
   int32_t ia[16];
   for (int64_t u = 0; u < L.U; ++u) {
+    float wl[16];
+    if (u < L.G) {
+      for (int l = 0; l < 16; ++l) wl[l] = half_to_float(ws[u * 16 + l]);
+    } else {
+      const int64_t b = L.G * 16 + (u - L.G) * 2;
+      for (int l = 0; l < 16; ++l) wl[l] = half_to_float(ws[b + l / 8]);
+    }
     const int steps = u < L.G ? 8 : 1;
     const int64_t off = u < L.G ? u * kGroup : L.G * kGroup + (u - L.G) * kChunk;
     for (int l = 0; l < 16; ++l) ia[l] = corr[u * 16 + l];
@@ -195,9 +212,12 @@ void dot_row_scalar(const uint8_t* w, int64_t cs, const int8_t* x, const int32_t
         ia[l] += s;
       }
     }
-    for (int l = 0; l < 16; ++l) fa[l] = std::fma(static_cast<float>(ia[l]), xs[u * 16 + l], fa[l]);
+    for (int l = 0; l < 16; ++l) {
+      const float s = xs[u * 16 + l] * wl[l];
+      fa[l] = std::fma(static_cast<float>(ia[l]), s, fa[l]);
+    }
   }
-  float v = hsum16_scalar(fa) * wscale;
+  float v = hsum16_scalar(fa);
   if (bias) v = v + *bias;
   *y = v;
 }
@@ -237,7 +257,7 @@ void attn_row_scalar(const float* q, const float* Kb, const float* Vb, int64_t n
 
 #ifdef SPECDEC_X86
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,avx2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,avx2,f16c")
 namespace {
 
 inline float hsum16_avx(__m512 a) {
@@ -273,11 +293,13 @@ inline __m512 exp16_avx(__m512 x) {
 }
 
 // NR weight rows x MR activation rows, full K.
+// wscale: fp16 block scales of the first row of the tile, row stride Kp/32
 template <int NR, int MR>
 inline void tile_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
-                     const float* wscale, const float* bias, float* y, int64_t ldy) {
+                     const uint16_t* wscale, const float* bias, float* y, int64_t ldy) {
   const int64_t Kp = L.Kp;
   const int64_t ldc = L.U * 16;
+  const int64_t ldw = Kp / 32;
   // W is the tile base: chunk q of row n is at W + (q * NR + n) * 64
   __m512 fa[NR][MR];
 #pragma GCC unroll 16
@@ -310,35 +332,45 @@ inline void tile_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, con
       }
     }
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m512 s = _mm512_loadu_ps(xs + m * ldc + u * 16);
+    for (int n = 0; n < NR; ++n) {
+      const __m512 wsv = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wscale + n * ldw + u * 16)));
 #pragma GCC unroll 16
-      for (int n = 0; n < NR; ++n) fa[n][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[n][m]), s, fa[n][m]);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(xs + m * ldc + u * 16), wsv);
+        fa[n][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[n][m]), s, fa[n][m]);
+      }
     }
   }
   for (int64_t t = 0; t < L.T; ++t) {
     const int64_t u = L.G + t;
     const int64_t off = L.G * kGroup + t * kChunk;
     __m512i w[NR];
+    __m512 wsv[NR];
+    const __m512i sel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
 #pragma GCC unroll 16
     for (int n = 0; n < NR; ++n) {
       w[n] = _mm512_loadu_si512(W + off * NR + n * 64);
+      int32_t two;  // fp16 scales of blocks A, B of this chunk
+      std::memcpy(&two, wscale + n * ldw + L.G * 16 + t * 2, 4);
+      wsv[n] = _mm512_permutexvar_ps(sel, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(two))));
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
       const __m512i c = _mm512_loadu_si512(corr + m * ldc + u * 16);
       const __m512i xv = _mm512_loadu_si512(X + m * Kp + off);
-      const __m512 s = _mm512_loadu_ps(xs + m * ldc + u * 16);
+      const __m512 xsv = _mm512_loadu_ps(xs + m * ldc + u * 16);
 #pragma GCC unroll 16
       for (int n = 0; n < NR; ++n)
-        fa[n][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, w[n], xv)), s, fa[n][m]);
+        fa[n][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, w[n], xv)), _mm512_mul_ps(xsv, wsv[n]),
+                                   fa[n][m]);
     }
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 16
     for (int n = 0; n < NR; ++n) {
-      float v = hsum16_avx(fa[n][m]) * wscale[n];
+      float v = hsum16_avx(fa[n][m]);
       if (bias) v = v + bias[n];
       y[m * ldy + n] = v;
     }
@@ -346,7 +378,7 @@ inline void tile_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, con
 
 template <int NR>
 inline void tile_avx_mr(int mr, const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs,
-                        const Layout& L, const float* wscale, const float* bias, float* y, int64_t ldy) {
+                        const Layout& L, const uint16_t* wscale, const float* bias, float* y, int64_t ldy) {
   switch (mr) {
     case 1: tile_avx<NR, 1>(W, X, corr, xs, L, wscale, bias, y, ldy); break;
     case 2: tile_avx<NR, 2>(W, X, corr, xs, L, wscale, bias, y, ldy); break;
@@ -356,7 +388,7 @@ inline void tile_avx_mr(int mr, const uint8_t* W, const int8_t* X, const int32_t
 
 // process weight rows [n0, n1) x activation rows [m0, m1)
 void linear_block_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
-                      const float* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
+                      const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
                       int64_t m0, int64_t m1) {
   const int64_t ldc = L.U * 16;
   constexpr int NR = 4;
@@ -370,10 +402,10 @@ void linear_block_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, co
       const float* sp = xs + m * ldc;
       if (nr == NR) {
         // full tiles are tile-interleaved, the last N % 4 rows are plain rows
-        tile_avx_mr<NR>(mr, W + n * L.Kp, xp, cp, sp, L, wscale + n, bias ? bias + n : nullptr, y + m * N + n, N);
+        tile_avx_mr<NR>(mr, W + n * L.Kp, xp, cp, sp, L, wscale + n * (L.Kp / 32), bias ? bias + n : nullptr, y + m * N + n, N);
       } else {
         for (int64_t i = n; i < n + nr; ++i)
-          tile_avx_mr<1>(mr, W + i * L.Kp, xp, cp, sp, L, wscale + i, bias ? bias + i : nullptr, y + m * N + i, N);
+          tile_avx_mr<1>(mr, W + i * L.Kp, xp, cp, sp, L, wscale + i * (L.Kp / 32), bias ? bias + i : nullptr, y + m * N + i, N);
       }
     }
   }
@@ -490,14 +522,14 @@ void attn_heads_avx(const float* q0, int64_t nh, const float* Kb, const float* V
 namespace {
 
 void linear_block_scalar(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
-                         const float* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
+                         const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
                          int64_t m0, int64_t m1) {
   const int64_t ldc = L.U * 16;
   const int64_t nfull = N / 4 * 4;
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m = m0; m < m1; ++m)
       dot_row_scalar(n < nfull ? W + (n / 4) * 4 * L.Kp + (n % 4) * 64 : W + n * L.Kp, n < nfull ? 256 : 64,
-                     X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale[n],
+                     X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale + n * (L.Kp / 32),
                      bias ? bias + n : nullptr, y + m * N + n);
 }
 
@@ -509,8 +541,9 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
   const int64_t M = x_in.size(0), K = x_in.size(1), N = qweight.size(0), Kp = qweight.size(1);
   TORCH_CHECK(K == in_features, "q8_linear: x has ", K, " features, weight expects ", in_features);
   TORCH_CHECK(Kp % kChunk == 0 && Kp >= K && Kp < K + kChunk, "q8_linear: bad padded width ", Kp);
-  TORCH_CHECK(wscale.scalar_type() == at::kFloat && wscale.is_contiguous() && wscale.numel() == N,
-              "q8_linear: scale must be contiguous fp32 [N]");
+  TORCH_CHECK(wscale.scalar_type() == at::kHalf && wscale.is_contiguous() && wscale.dim() == 2 &&
+                  wscale.size(0) == N && wscale.size(1) == Kp / 32,
+              "q8_linear: scale must be contiguous fp16 [N, Kp/32]");
   const torch::Tensor x = (x_in.scalar_type() == at::kFloat && x_in.is_contiguous())
                               ? x_in
                               : x_in.to(at::kFloat).contiguous();
@@ -541,7 +574,7 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
   }
 
   const uint8_t* W = qweight.data_ptr<uint8_t>();
-  const float* ws = wscale.data_ptr<float>();
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const bool avx = use_avx();
