@@ -19,6 +19,7 @@ class ForwardBatch:
     slots: torch.Tensor  # [rows] int64, KV-cache slot of the row's sequence
     row_counts: tuple[int, ...]  # rows per sequence
     logits_rows: torch.Tensor  # [logit rows] int64, rows whose logits are computed
+    all_logits: bool  # logits for every row (verification) or only each sequence's last row
 
     @classmethod
     def build(
@@ -39,10 +40,8 @@ class ForwardBatch:
         ends = torch.tensor(counts).cumsum(0)
         logits_rows = torch.arange(len(flat_ids)) if all_logits else ends - 1
         as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(as_long(flat_ids), as_long(positions), as_long(row_slots), counts, logits_rows.to(device))
+        return cls(as_long(flat_ids), as_long(positions), as_long(row_slots), counts, logits_rows.to(device), all_logits)
 
     def split_logits(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """logits [logit rows, vocab] -> per-sequence [rows_i or 1, vocab]."""
-        if logits.shape[0] == len(self.row_counts):
-            return list(logits.split(1))
-        return list(logits.split(list(self.row_counts)))
+        return list(logits.split(list(self.row_counts) if self.all_logits else 1))
