@@ -161,6 +161,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info")
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specdec.bench.runner import cmd_bench as run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     pull = commands.add_parser("pull", help="install and assemble catalogue models")
     pull.add_argument("names", nargs="+")
     pull.set_defaults(handler=cmd_pull)
+    from specdec.bench.runner import add_bench_arguments
+
+    bench = commands.add_parser("bench", help="Spec-Bench-style benchmark of the methods (and peers), lossless check")
+    add_bench_arguments(bench)
+    bench.set_defaults(handler=cmd_bench)
     commands.add_parser("build-kernels", help="compile the CPU kernels now (otherwise done on first use)").set_defaults(
         handler=cmd_build_kernels)
     return parser

@@ -1,0 +1,104 @@
+"""Benchmark building blocks: method parsing, datasets, conversations, lossless comparison, summaries."""
+import json
+
+import pytest
+
+from specdec.bench.datasets import HUMANEVAL_CATEGORY, load_questions
+from specdec.bench.methods import Generation, Runner, parse_methods, split_methods
+from specdec.bench.report import OVERALL, build_results
+from specdec.bench.runner import check_lossless, encode_chat, first_difference, run_round
+
+
+def test_split_methods_keeps_json_commas():
+    assert split_methods('none, ngram:{"num_speculative_tokens":7,"prompt_lookup_max":3},suffix') == [
+        "none", 'ngram:{"num_speculative_tokens":7,"prompt_lookup_max":3}', "suffix"]
+    with pytest.raises(ValueError, match="unbalanced"):
+        split_methods('ngram:{"a":1')
+
+
+def test_parse_methods_defaults_and_overrides():
+    specs = parse_methods(['ngram,ngram:{"num_speculative_tokens":7},suffix,draft_model'], "qwen2.5-coder-1.5b-instruct")
+    assert [spec.label for spec in specs] == ["none", "ngram", "ngram-2", "suffix", "draft_model"]
+    assert specs[1].config == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+                               "prompt_lookup_min": 2}
+    assert specs[2].config["num_speculative_tokens"] == 7
+    assert specs[3].config["num_speculative_tokens"] == 8
+    assert specs[4].config == {"method": "draft_model", "num_speculative_tokens": 4,
+                               "model": "qwen2.5-coder-0.5b-instruct"}
+    labelled = parse_methods(['none,suffix:{"label":"suffix-k4","num_speculative_tokens":4}'], "m")
+    assert [spec.label for spec in labelled] == ["none", "suffix-k4"]
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
+        parse_methods(['ngram:{"num_speculative_tokens":0}'], "m")
+    with pytest.raises(ValueError, match="unknown speculative config key"):
+        parse_methods(['ngram:{"k":3}'], "m")
+
+
+def test_load_questions_formats_categories_and_limit(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"question_id": i, "category": "qa" if i % 2 else "rag", "turns": [f"q{i}"]} for i in range(6)]
+    rows.append({"task_id": "HumanEval/7", "prompt": "def f():\n"})
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n\n")
+    questions = load_questions(path, limit=2)
+    assert [(q.category, q.question_id) for q in questions] == [
+        ("rag", "0"), ("qa", "1"), ("rag", "2"), ("qa", "3"), (HUMANEVAL_CATEGORY, "HumanEval/7")]
+    assert "def f():" in questions[-1].turns[0] and "Complete the following Python function" in questions[-1].turns[0]
+    assert [q.question_id for q in load_questions(path, categories=["qa"])] == ["1", "3", "5"]
+    path.write_text('{"id": 1}\n')
+    with pytest.raises(ValueError, match="neither a Spec-Bench row"):
+        load_questions(path)
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2, 3], [1, 2]) == 2
+
+
+class ScriptedRunner(Runner):
+    """Answers with fixed tokens and remembers every prompt it got."""
+
+    family = "fake"
+    strict = True
+
+    def __init__(self, label, reference, answer):
+        self.label, self.reference, self.answer, self.prompts = label, reference, answer, []
+
+    def generate(self, prompt_token_ids, max_new_tokens):
+        self.prompts.append(list(prompt_token_ids))
+        return Generation(list(self.answer[:max_new_tokens]), wall_s=0.01 if self.reference else 0.02,
+                          verify_steps=2, drafted_tokens=4, accepted_tokens=3, drafted_per_position=[2, 2],
+                          accepted_per_position=[2, 1])
+
+    def describe(self):
+        return {"label": self.label, "reference": self.reference}
+
+
+class NullProgress:
+    def update(self, n):
+        pass
+
+    def set_postfix_str(self, text, refresh=True):
+        pass
+
+
+def test_each_runner_sees_its_own_previous_answer(tiny_tokenizer, tmp_path):
+    path = tmp_path / "two_turns.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["first?", "second?"]}) + "\n")
+    questions = load_questions(path)
+    plain = ScriptedRunner("none", None, tiny_tokenizer.encode("AAAA", add_special_tokens=False))
+    other = ScriptedRunner("fast", "none", tiny_tokenizer.encode("AABB", add_special_tokens=False))
+    records = run_round(0, questions, [plain, other], tiny_tokenizer, 8, NullProgress())
+    assert plain.prompts[0] == other.prompts[0] == encode_chat(tiny_tokenizer, [{"role": "user", "content": "first?"}])
+    assert plain.prompts[1] == encode_chat(tiny_tokenizer, [{"role": "user", "content": "first?"},
+                                                            {"role": "assistant", "content": "AAAA"},
+                                                            {"role": "user", "content": "second?"}])
+    assert "AABB" in tiny_tokenizer.decode(other.prompts[1])
+    mismatches = check_lossless(records)
+    assert [(m["turn"], m["first_mismatch"]) for m in mismatches] == [(0, 2), (1, 2)]
+
+    results = build_results({}, [plain.describe(), other.describe()], records, mismatches)
+    fast = results["summary"]["fast"][OVERALL]
+    assert fast["speedup"] == pytest.approx(2.0) and fast["identical_rate"] == 0.0
+    assert fast["acceptance_rate"] == pytest.approx(0.75) and fast["mean_accepted_length"] == pytest.approx(2.5)
+    assert fast["position_acceptance_rates"] == [1.0, 0.5]
+    assert results["lossless"] is False
