@@ -112,3 +112,48 @@ def test_scalar_path_matches_simd():
     finally:
         ops._set_force_scalar(False)
     assert torch.equal(out, outs)
+
+
+def _verify_block(hq, hkv, d, m=9, ctx=203, window=None, seed=3):
+    """k+1 verify rows of one sequence (slot 1) next to decode rows of other slots."""
+    g = torch.Generator().manual_seed(seed)
+    length = ctx + m + 8
+    kc = torch.randn(3, hkv, length, d, generator=g)
+    vc = torch.randn(3, hkv, length, d, generator=g)
+    ends = [ctx + 1 + i for i in range(m)]
+    starts = [0 if window is None else max(0, e - window) for e in ends]
+    rows = [(1, s, e) for s, e in zip(starts, ends)] + [(0, 0, 50), (2, 7, 130), (1, 100, 101)]
+    slots = torch.tensor([r[0] for r in rows], dtype=torch.int32)
+    ks = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+    ke = torch.tensor([r[2] for r in rows], dtype=torch.int32)
+    q = torch.randn(len(rows), hq, d, generator=g) * 2.0
+    return q, kc, vc, slots, ks, ke, 1.0 / math.sqrt(d)
+
+
+@pytest.mark.parametrize("hq,hkv,d", CONFIGS)
+@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shared_kv_rows_bitwise(hq, hkv, d, window, threads):
+    """Rows of one slot are computed together (K/V read once); each must equal the row alone."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, kc, vc, slots, ks, ke, scale = _verify_block(hq, hkv, d, window=window)
+        full = ops.attention(q, kc, vc, slots, ks, ke, scale)
+        torch.testing.assert_close(full, _reference(q, kc, vc, slots, ks, ke, scale), atol=1e-5, rtol=1e-5)
+        for i in range(q.shape[0]):
+            sl = slice(i, i + 1)
+            assert torch.equal(ops.attention(q[sl], kc, vc, slots[sl], ks[sl], ke[sl], scale), full[sl]), f"row {i}"
+        for lo, hi in [(0, 4), (3, 8), (1, 2), (5, 12)]:
+            sl = slice(lo, hi)
+            assert torch.equal(ops.attention(q[sl], kc, vc, slots[sl], ks[sl], ke[sl], scale), full[sl])
+        perm = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(2))
+        assert torch.equal(ops.attention(q[perm], kc, vc, slots[perm], ks[perm], ke[perm], scale), full[perm])
+        if ops.kernel_isa() == "avx512vnni":
+            ops._set_force_scalar(True)
+            try:
+                assert torch.equal(ops.attention(q, kc, vc, slots, ks, ke, scale), full)
+            finally:
+                ops._set_force_scalar(False)
+    finally:
+        torch.set_num_threads(old)

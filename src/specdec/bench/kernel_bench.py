@@ -76,7 +76,9 @@ def bench_linear(shapes, ms, baselines=True, cold=True):
         g = torch.Generator().manual_seed(0)
         w = torch.randn(n, k, generator=g) * 0.05
         qw = ops.quantize_weight(w)
-        impls = [("q8", _rotating(lambda: QW(qw.qweight.clone(), qw.scale, k), n * k, cold), ops.q8_linear, n * k)]
+        qbytes = qw.qweight.numel() + 2 * qw.scale.numel()
+        impls = [("q8", _rotating(lambda: QW(qw.qweight.clone(), qw.scale.clone(), k), qbytes, cold), ops.q8_linear,
+                  qbytes)]
         if baselines:
             wb = w.to(torch.bfloat16)
             impls.append(("bf16", _rotating(lambda: wb.clone(), 2 * n * k, cold),
@@ -111,11 +113,11 @@ def bench_overhead():
 def bench_attention():
     print("\n== attention (M rows, one slot, causal block after a context of L keys) ==")
     for hq, hkv, d in [(4, 1, 256), (12, 2, 128), (9, 3, 64)]:
-        for ctx in (512, 4096):
+        for ctx in (256, 1024, 4096):
             kc = torch.randn(2, hkv, ctx + 16, d)
             vc = torch.randn_like(kc)
             row = []
-            for m in (1, 8):
+            for m in (1, 4, 8, 16):
                 q = torch.randn(m, hq, d)
                 slots = torch.zeros(m, dtype=torch.int32)
                 ks = torch.zeros(m, dtype=torch.int32)

@@ -462,53 +462,200 @@ inline void pv_avx(const float* p, const float* V, int64_t n, int64_t D, float* 
   }
 }
 
-// nh query heads (rows q0 + h*D) sharing one kv head; requires D % 16 == 0.
-// Keys are processed in blocks that stay in L1/L2 while all heads use them;
-// every score / output element is computed with exactly the same operation
-// sequence as attn_row_scalar (per head, sequential over keys).
-// scratch: nh * (n + 16) floats of scores followed by nh * D accumulators.
-void attn_heads_avx(const float* q0, int64_t nh, const float* Kb, const float* Vb, int64_t n, int64_t D,
-                    float scale, float* out0, float* scratch) {
-  const int64_t lds = (n + 16 + 15) / 16 * 16;
-  float* acc = scratch + nh * lds;
-  const int64_t jb = std::max<int64_t>(16, (32 * 1024) / (D * 4));
-  for (int64_t j0 = 0; j0 < n; j0 += jb) {
-    const int64_t j1 = std::min(n, j0 + jb);
-    for (int64_t h = 0; h < nh; ++h) {
-      const float* q = q0 + h * D;
-      float* sb = scratch + h * lds;
-      int64_t j = j0;
-      for (; j + 4 <= j1; j += 4) scores_avx<4>(q, Kb + j * D, D, scale, sb + j);
-      for (; j < j1; ++j) scores_avx<1>(q, Kb + j * D, D, scale, sb + j);
+// One attention work item: P (row, head) pairs that use the same kv head of the
+// same slot.  Pair r has query qs[r], key range [a[r], b[r]) (absolute cache
+// positions, non-empty) and output outs[r]; K, V point at position 0 of the
+// (slot, kv head).  K/V are walked once in blocks of keys that stay in L1/L2
+// while every pair uses them.  Every (pair) result is computed with exactly the
+// operation sequence of attn_row_scalar (per pair: score = hsum16 tree of the
+// per-lane fma chain over d, times scale; softmax with the per-pair 16-lane
+// sums; output = sequential fma over the keys in ascending order, / sum), so a
+// pair's result does not depend on which other pairs share its item.
+// scratch: P * lds floats of scores, then P * D accumulators.
+
+// 16 accumulators -> 16 sums, each with the tree of hsum16_scalar:
+// lane 4k + i of the result = hsum16(v[4i + k]).
+inline __m512 reduce16_avx(const __m512* v) {
+  __m512 b[8], c[4], d[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores of 4 pairs x 4 consecutive keys starting at k; pair p's 4 scores go to s[p][0..3]
+inline void scores_tile_avx(const float* const* q, const float* k, int64_t D, float scale, float* const* s) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 qv[4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) qv[p] = _mm512_loadu_ps(q[p] + d);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512 kv = _mm512_loadu_ps(k + j * D + d);
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) acc[4 * j + p] = _mm512_fmadd_ps(qv[p], kv, acc[4 * j + p]);
     }
   }
-  std::vector<float> sums(nh);
-  for (int64_t h = 0; h < nh; ++h) {
-    float* sb = scratch + h * lds;
+  // lane 4p + j = hsum(acc[4j + p]) = score(pair p, key j)
+  const __m512 r = _mm512_mul_ps(reduce16_avx(acc), _mm512_set1_ps(scale));
+  _mm_storeu_ps(s[0], _mm512_castps512_ps128(r));
+  _mm_storeu_ps(s[1], _mm512_extractf32x4_ps(r, 1));
+  _mm_storeu_ps(s[2], _mm512_extractf32x4_ps(r, 2));
+  _mm_storeu_ps(s[3], _mm512_extractf32x4_ps(r, 3));
+}
+
+// one pair, keys [j0, j1) -> s (indexed by absolute key)
+inline void scores_one_avx(const float* q, const float* K, int64_t j0, int64_t j1, int64_t D, float scale, float* s) {
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) scores_avx<4>(q, K + j * D, D, scale, s + j);
+  for (; j < j1; ++j) scores_avx<1>(q, K + j * D, D, scale, s + j);
+}
+
+// 4 pairs, keys [j0, j1), NC chunks of 16 columns starting at column c0:
+// acc_p[c] += sum_j p_p[j] * V[j, c] sequentially in j
+template <int NC>
+inline void pv_tile_avx(const float* const* p, const float* V, int64_t j0, int64_t j1, int64_t D, int64_t c0,
+                        float* const* acc_mem) {
+  __m512 acc[4][NC];
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_loadu_ps(acc_mem[r] + c0 + c * 16);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m512 v[NC];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(V + j * D + c0 + c * 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const __m512 pj = _mm512_set1_ps(p[r][j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(pj, v[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_mem[r] + c0 + c * 16, acc[r][c]);
+}
+
+inline void pv_tile4_avx(const float* const* p, const float* V, int64_t j0, int64_t j1, int64_t D,
+                         float* const* acc_mem) {
+  const int64_t nc = D / 16;
+  for (int64_t c = 0; c < nc; c += 4) {
+    switch (std::min<int64_t>(4, nc - c)) {
+      case 1: pv_tile_avx<1>(p, V, j0, j1, D, c * 16, acc_mem); break;
+      case 2: pv_tile_avx<2>(p, V, j0, j1, D, c * 16, acc_mem); break;
+      case 3: pv_tile_avx<3>(p, V, j0, j1, D, c * 16, acc_mem); break;
+      default: pv_tile_avx<4>(p, V, j0, j1, D, c * 16, acc_mem); break;
+    }
+  }
+}
+
+void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const int32_t* b, float* const* outs,
+                   const float* K, const float* V, int64_t D, float scale, int64_t lds, float* scratch) {
+  // sb[r] is indexed by the absolute key position: sb[r] + a[r] is the pair's score buffer
+  std::vector<float*> sb(P), acc(P);
+  int64_t jlo = INT64_MAX, jhi = 0;
+  for (int64_t r = 0; r < P; ++r) {
+    sb[r] = scratch + r * lds - a[r];
+    acc[r] = scratch + P * lds + r * D;
+    jlo = std::min<int64_t>(jlo, a[r]);
+    jhi = std::max<int64_t>(jhi, b[r]);
+  }
+  const int64_t jb = std::max<int64_t>(16, (32 * 1024) / (D * 4)) / 4 * 4;
+  // pass 1: scores
+  for (int64_t j0 = jlo; j0 < jhi; j0 += jb) {
+    const int64_t j1 = std::min(jhi, j0 + jb);
+    for (int64_t r0 = 0; r0 < P; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, P - r0);
+      int64_t lo[4], hi[4], c0 = j0, c1 = j1;
+      for (int64_t i = 0; i < nr; ++i) {
+        lo[i] = std::max<int64_t>(a[r0 + i], j0);
+        hi[i] = std::min<int64_t>(b[r0 + i], j1);
+        c0 = std::max(c0, lo[i]);
+        c1 = std::min(c1, hi[i]);
+      }
+      const bool joint = nr == 4 && c1 - c0 >= 4;
+      const int64_t ce = joint ? c0 + (c1 - c0) / 4 * 4 : c0;  // joint keys [c0, ce)
+      if (joint) {
+        for (int64_t j = c0; j < ce; j += 4) {
+          float* s[4] = {sb[r0] + j, sb[r0 + 1] + j, sb[r0 + 2] + j, sb[r0 + 3] + j};
+          scores_tile_avx(qs + r0, K + j * D, D, scale, s);
+        }
+      }
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t r = r0 + i;
+        if (lo[i] >= hi[i]) continue;
+        if (joint) {
+          scores_one_avx(qs[r], K, lo[i], c0, D, scale, sb[r]);
+          scores_one_avx(qs[r], K, ce, hi[i], D, scale, sb[r]);
+        } else {
+          scores_one_avx(qs[r], K, lo[i], hi[i], D, scale, sb[r]);
+        }
+      }
+    }
+  }
+  // softmax numerators and sums, per pair (same as before)
+  std::vector<float> sums(P);
+  for (int64_t r = 0; r < P; ++r) {
+    float* s = sb[r] + a[r];
+    const int64_t n = b[r] - a[r];
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
-      mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, sb + j0));
+      mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, s + j0));
     }
     const __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
     __m512 ps = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < n; j0 += 16) {
       const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(mk, exp16_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sb + j0), mxv)));
-      _mm512_mask_storeu_ps(sb + j0, mk, e);
+      const __m512 e = _mm512_maskz_mov_ps(mk, exp16_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j0), mxv)));
+      _mm512_mask_storeu_ps(s + j0, mk, e);
       ps = _mm512_add_ps(ps, e);
     }
-    sums[h] = hsum16_avx(ps);
+    sums[r] = hsum16_avx(ps);
+    std::fill(acc[r], acc[r] + D, 0.0f);
   }
-  std::fill(acc, acc + nh * D, 0.0f);
-  for (int64_t j0 = 0; j0 < n; j0 += jb) {
-    const int64_t j1 = std::min(n, j0 + jb);
-    for (int64_t h = 0; h < nh; ++h) pv_avx(scratch + h * lds + j0, Vb + j0 * D, j1 - j0, D, acc + h * D);
+  // pass 2: P @ V, per pair sequential over keys in ascending order
+  for (int64_t j0 = jlo; j0 < jhi; j0 += jb) {
+    const int64_t j1 = std::min(jhi, j0 + jb);
+    for (int64_t r0 = 0; r0 < P; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, P - r0);
+      int64_t lo[4], hi[4], c0 = j0, c1 = j1;
+      for (int64_t i = 0; i < nr; ++i) {
+        lo[i] = std::max<int64_t>(a[r0 + i], j0);
+        hi[i] = std::min<int64_t>(b[r0 + i], j1);
+        c0 = std::max(c0, lo[i]);
+        c1 = std::min(c1, hi[i]);
+      }
+      const bool joint = nr == 4 && c1 - c0 >= 2;
+      for (int64_t i = 0; i < nr; ++i) {  // keys before the joint part (or all)
+        const int64_t e = joint ? c0 : hi[i];
+        if (lo[i] < e) pv_avx(sb[r0 + i] + lo[i], V + lo[i] * D, e - lo[i], D, acc[r0 + i]);
+      }
+      if (!joint) continue;
+      pv_tile4_avx(sb.data() + r0, V, c0, c1, D, acc.data() + r0);
+      for (int64_t i = 0; i < nr; ++i)  // keys after it
+        if (c1 < hi[i]) pv_avx(sb[r0 + i] + c1, V + c1 * D, hi[i] - c1, D, acc[r0 + i]);
+    }
   }
-  for (int64_t h = 0; h < nh; ++h) {
-    const __m512 sv = _mm512_set1_ps(sums[h]);
+  for (int64_t r = 0; r < P; ++r) {
+    const __m512 sv = _mm512_set1_ps(sums[r]);
     for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_ps(out0 + h * D + d, _mm512_div_ps(_mm512_loadu_ps(acc + h * D + d), sv));
+      _mm512_storeu_ps(outs[r] + d, _mm512_div_ps(_mm512_loadu_ps(acc[r] + d), sv));
   }
 }
 
@@ -658,41 +805,91 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   const float* vp = vc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool avx = use_avx() && D % 16 == 0;
-  // work item = (row, kv head, sub-group of the query heads sharing it); the
-  // split only decides which thread computes what, never how.
-  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
-  int64_t sub = group;
-  while (sub > 1 && M * Hkv * ((group + sub - 1) / sub) < 2 * nth) sub = (sub + 1) / 2;
-  const int64_t nsub = (group + sub - 1) / sub;
-  const int64_t items = M * Hkv * nsub;
-  const int64_t work = std::max<int64_t>(1, maxn * D * sub);
-  const int64_t grain = std::max<int64_t>(1, 16384 / work);
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    thread_local Scratch sbuf_mem;
-    const int64_t lds = (maxn + 16 + 15) / 16 * 16;
-    float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(sub * (lds + D) + 16) * 4));
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t m = i / (Hkv * nsub), kvh = (i / nsub) % Hkv, sg = i % nsub;
-      const int64_t h0 = kvh * group + sg * sub;
-      const int64_t nh = std::min(sub, group - sg * sub);
-      const int64_t n = b[m] - a[m];
-      float* o = op + (m * Hq + h0) * D;
-      const float* qh = qp + (m * Hq + h0) * D;
-      if (n <= 0) {
-        std::fill(o, o + nh * D, 0.0f);
-        continue;
-      }
-      const int64_t base = ((int64_t(sp[m]) * Hkv + kvh) * Lmax + a[m]) * D;
-#ifdef SPECDEC_X86
-      if (avx) {
-        attn_heads_avx(qh, nh, kp + base, vp + base, n, D, scale, o, sbuf);
-        continue;
-      }
-#endif
-      for (int64_t h = 0; h < nh; ++h)
-        attn_row_scalar(qh + h * D, kp + base, vp + base, n, D, scale, o + h * D, sbuf);
+
+  // Work items: (row, head) pairs of the same slot and kv head, so that K/V are
+  // read once per item.  How pairs are grouped into items (and items onto
+  // threads) only decides who computes what, never how: each pair's result is
+  // computed with the same operation sequence whatever its item.
+  std::vector<int64_t> order(M);
+  for (int64_t m = 0; m < M; ++m) order[m] = m;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return sp[x] < sp[y]; });
+  std::vector<int64_t> run_start;  // runs of rows with the same slot and a non-empty range
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < M; ++i) {
+    const int64_t m = order[i];
+    if (b[m] <= a[m]) {
+      std::fill(op + m * Hq * D, op + (m + 1) * Hq * D, 0.0f);
+      continue;
     }
-  });
+    if (rows.empty() || sp[rows.back()] != sp[m]) run_start.push_back(int64_t(rows.size()));
+    rows.push_back(m);
+  }
+  run_start.push_back(int64_t(rows.size()));
+  const int64_t nruns = int64_t(run_start.size()) - 1;
+  if (nruns <= 0) return out;
+  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
+  auto count_items = [&](int64_t cap) {
+    int64_t c = 0;
+    for (int64_t r = 0; r < nruns; ++r) c += Hkv * (((run_start[r + 1] - run_start[r]) * group + cap - 1) / cap);
+    return c;
+  };
+  int64_t cap = 32;
+  while (cap > 1 && count_items(cap) < nth) cap = (cap + 1) / 2;
+  // pairs in item order: run, kv head, rows of the run, heads of the group
+  const int64_t npairs = int64_t(rows.size()) * Hq;
+  std::vector<const float*> pq(npairs);
+  std::vector<float*> po(npairs);
+  std::vector<int32_t> pa(npairs), pb(npairs);
+  struct Item {
+    int64_t p0, np;
+    const float *K, *V;
+  };
+  std::vector<Item> items;
+  int64_t idx = 0;
+  for (int64_t r = 0; r < nruns; ++r) {
+    const int64_t slot = sp[rows[run_start[r]]];
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      const int64_t first = idx;
+      for (int64_t i = run_start[r]; i < run_start[r + 1]; ++i) {
+        const int64_t m = rows[i];
+        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h, ++idx) {
+          pq[idx] = qp + (m * Hq + h) * D;
+          po[idx] = op + (m * Hq + h) * D;
+          pa[idx] = a[m];
+          pb[idx] = b[m];
+        }
+      }
+      const int64_t base = (slot * Hkv + kvh) * Lmax * D;
+      for (int64_t p0 = first; p0 < idx; p0 += cap)
+        items.push_back({p0, std::min(cap, idx - p0), kp + base, vp + base});
+    }
+  }
+  const int64_t lds = (maxn + 16 + 15) / 16 * 16;
+  auto run_item = [&](const Item& it) {
+    thread_local Scratch sbuf_mem;
+#ifdef SPECDEC_X86
+    if (avx) {
+      float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(it.np * (lds + D) + 16) * 4));
+      attn_item_avx(it.np, pq.data() + it.p0, pa.data() + it.p0, pb.data() + it.p0, po.data() + it.p0, it.K, it.V,
+                    D, scale, lds, sbuf);
+      return;
+    }
+#endif
+    float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(lds + 16) * 4));
+    for (int64_t r = it.p0; r < it.p0 + it.np; ++r)
+      attn_row_scalar(pq[r], it.K + int64_t(pa[r]) * D, it.V + int64_t(pa[r]) * D, pb[r] - pa[r], D, scale, po[r],
+                      sbuf);
+  };
+  const int64_t nitems = int64_t(items.size());
+  const int64_t workers = std::min(nth, nitems);
+  if (workers <= 1 || at::in_parallel_region() || npairs * maxn * D < (1 << 14)) {
+    for (const Item& it : items) run_item(it);
+  } else {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      for (int64_t i = next.fetch_add(1); i < nitems; i = next.fetch_add(1)) run_item(items[i]);
+    });
+  }
   (void)avx;
   return out;
 }
