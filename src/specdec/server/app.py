@@ -12,11 +12,13 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.engine.engine import StepOutput
@@ -27,6 +29,7 @@ from specdec.server.protocol import (APIError, ChatCompletionRequest, Completion
 from specdec.server.responses import ChatBuilder, CompletionBuilder, ResponseBuilder, sse
 
 logger = logging.getLogger(__name__)
+STATIC_DIR = Path(__file__).with_name("static")  # the playground page (plain HTML/JS/CSS)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class ServerState:
         self.tokenizer = llm.tokenizer
         self.config = config
         self.model_name = config.model_name or llm.model.config.name
+        self.spec_config = getattr(llm, "spec_config", None)  # an LLM's SpeculativeConfig (None: plain only)
         self.max_model_len = self.engine.max_model_len
         self.created = int(time.time())
         self.metrics = ServerMetrics()
@@ -163,6 +167,18 @@ class ServerState:
             await events.aclose()
         yield "data: [DONE]\n\n"
 
+    def spec_info(self) -> dict[str, Any]:
+        """What the playground needs to know about speculation on this server."""
+        spec = self.spec_config
+        return {
+            "model": self.model_name,
+            "max_model_len": self.max_model_len,
+            "speculative": self.engine.drafter is not None,
+            "method": spec.method if spec else None,
+            "num_speculative_tokens": spec.num_speculative_tokens if spec else None,
+            "per_request_k": False,  # k is the server's; requests choose only speculative true/false
+        }
+
     def status(self) -> dict[str, Any]:
         snapshot = self.loop.snapshot
         return {
@@ -197,6 +213,17 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/")
+    async def playground():
+        return FileResponse(STATIC_DIR / "index.html")
+
+    @app.get("/v1/specdec/info")
+    async def spec_info(request: Request):
+        state.check_api_key(request)
+        return state.spec_info()
+
     @app.get("/health")
     async def health():
         if not state.loop.alive:
@@ -225,7 +252,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(body.model)
         prompt_ids = state.completion_prompt_ids(body.single_prompt())
         builder = CompletionBuilder(f"cmpl-{uuid.uuid4().hex}", state.model_name, state.tokenizer, len(prompt_ids),
-                                    body.return_token_ids)
+                                    body.return_token_ids, body.return_token_kinds)
         return await state.serve(request, body, prompt_ids, body.max_tokens, builder)
 
     @app.post("/v1/chat/completions")
@@ -235,7 +262,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(body.model)
         prompt_ids = state.chat_prompt_ids(body)
         builder = ChatBuilder(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, state.tokenizer, len(prompt_ids),
-                              body.return_token_ids)
+                              body.return_token_ids, body.return_token_kinds)
         return await state.serve(request, body, prompt_ids, body.requested_max_tokens(), builder)
 
 

@@ -6,7 +6,8 @@ they are harmless (n=1, zero penalties); anything that would change the output a
 is rejected instead of silently ignored.
 
 Extensions (as vLLM): `top_k`, `ignore_eos`, `speculative` (false = decode this request without drafts),
-`return_token_ids` (each choice/chunk carries the generated token ids).
+`return_token_ids` (each choice/chunk carries the generated token ids), `return_token_kinds` (each choice/chunk
+also carries per-token provenance: `token_kinds`, `draft_positions`, `token_texts`; see responses.py).
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ class _CommonRequest(_Strict):
     ignore_eos: bool = False
     speculative: bool = True
     return_token_ids: bool = False
+    return_token_kinds: bool = False
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

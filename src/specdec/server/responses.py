@@ -4,6 +4,15 @@ Completions:  choices[0].text, logprobs {tokens, token_logprobs, top_logprobs, t
 Chat:         choices[0].message.content / delta.content, logprobs {content: [{token, logprob, bytes, top_logprobs}]}
 Text comes from StepOutput.new_text (UTF-8 safe, stop-string aware), so the concatenated stream equals the
 non-streamed text; logprobs come from StepOutput.new_logprobs (the target's raw distribution).
+
+Provenance (`return_token_kinds: true`; absent otherwise, so OpenAI clients see nothing new), per token:
+  token_kinds      "target" (plain decode / prefill), "accepted" (a draft token the target accepted),
+                   "recovered" (the target's token at the first rejected draft position), "bonus" (the
+                   target's extra token after a fully accepted draft)
+  draft_positions  1-based slot in the step's draft: accepted tokens 1..a, the recovered token a + 1 (the
+                   slot it replaced), the bonus token k + 1; null for "target" tokens
+  token_texts      each token decoded alone (as logprobs' token strings): a character split over tokens
+                   shows as U+FFFD there, while `text` / `content` stays exact
 """
 from __future__ import annotations
 
@@ -14,6 +23,7 @@ import time
 from typing import Any
 
 from specdec.engine.engine import StepOutput, TokenLogprob
+from specdec.engine.sequence import TokenKind
 from specdec.models.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -27,6 +37,11 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
 
 
+def draft_positions(step_kinds) -> list[int | None]:
+    """One step's token kinds -> each token's 1-based draft slot (None for target-only tokens)."""
+    return [None if kind == TokenKind.TARGET else i + 1 for i, kind in enumerate(step_kinds)]
+
+
 class ResponseBuilder(abc.ABC):
     """Accumulates one request's outputs; renders stream chunks and the final body."""
 
@@ -34,15 +49,18 @@ class ResponseBuilder(abc.ABC):
     chunk_object_name = ""
 
     def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, prompt_tokens: int,
-                 return_token_ids: bool) -> None:
+                 return_token_ids: bool, return_token_kinds: bool = False) -> None:
         self.request_id = request_id
         self.model = model
         self.tokenizer = tokenizer
         self.prompt_tokens = prompt_tokens
         self.return_token_ids = return_token_ids
+        self.return_token_kinds = return_token_kinds
         self.created = int(time.time())
         self.text = ""
         self.token_ids: list[int] = []
+        self.token_kinds: list[str] = []
+        self.draft_positions: list[int | None] = []
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
 
@@ -50,6 +68,8 @@ class ResponseBuilder(abc.ABC):
     def add(self, output: StepOutput) -> None:
         self.text += output.new_text
         self.token_ids.extend(output.new_token_ids)
+        self.token_kinds.extend(kind.value for kind in output.new_token_kinds)
+        self.draft_positions.extend(draft_positions(output.new_token_kinds))
         if output.new_logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(output.new_logprobs)
         self.finish_reason = output.finish_reason
@@ -66,10 +86,22 @@ class ResponseBuilder(abc.ABC):
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def _with_token_ids(self, choice: dict[str, Any], token_ids) -> dict[str, Any]:
+    def _with_extensions(self, choice: dict[str, Any], token_ids, kinds, positions) -> dict[str, Any]:
+        """Adds the requested extensions (token ids; provenance) for these tokens."""
         if self.return_token_ids:
             choice["token_ids"] = list(token_ids)
+        if self.return_token_kinds:
+            choice["token_kinds"] = list(kinds)
+            choice["draft_positions"] = list(positions)
+            choice["token_texts"] = [self.token_text(token_id) for token_id in token_ids]
         return choice
+
+    def _with_step_extensions(self, choice: dict[str, Any], output: StepOutput) -> dict[str, Any]:
+        return self._with_extensions(choice, output.new_token_ids, [kind.value for kind in output.new_token_kinds],
+                                     draft_positions(output.new_token_kinds))
+
+    def _with_all_extensions(self, choice: dict[str, Any]) -> dict[str, Any]:
+        return self._with_extensions(choice, self.token_ids, self.token_kinds, self.draft_positions)
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object_name, []), "usage": self.usage()}
@@ -112,13 +144,13 @@ class CompletionBuilder(ResponseBuilder):
         self.add(output)
         choice = {"index": 0, "text": output.new_text, "logprobs": self._logprobs(output.new_logprobs),
                   "finish_reason": output.finish_reason}
-        return self._envelope(self.chunk_object_name, [self._with_token_ids(choice, output.new_token_ids)])
+        return self._envelope(self.chunk_object_name, [self._with_step_extensions(choice, output)])
 
     def response(self) -> dict[str, Any]:
         self._text_offset = 0
         choice = {"index": 0, "text": self.text, "logprobs": self._logprobs(self.logprobs),
                   "finish_reason": self.finish_reason}
-        return {**self._envelope(self.object_name, [self._with_token_ids(choice, self.token_ids)]),
+        return {**self._envelope(self.object_name, [self._with_all_extensions(choice)]),
                 "usage": self.usage()}
 
 
@@ -148,10 +180,10 @@ class ChatBuilder(ResponseBuilder):
         delta = {"content": output.new_text} if output.new_text or not output.finished else {}
         choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(output.new_logprobs),
                   "finish_reason": output.finish_reason}
-        return self._envelope(self.chunk_object_name, [self._with_token_ids(choice, output.new_token_ids)])
+        return self._envelope(self.chunk_object_name, [self._with_step_extensions(choice, output)])
 
     def response(self) -> dict[str, Any]:
         choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
                   "logprobs": self._logprobs(self.logprobs), "finish_reason": self.finish_reason}
-        return {**self._envelope(self.object_name, [self._with_token_ids(choice, self.token_ids)]),
+        return {**self._envelope(self.object_name, [self._with_all_extensions(choice)]),
                 "usage": self.usage()}
