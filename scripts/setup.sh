@@ -8,6 +8,7 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
+bash .ci/install-browser.sh  # Debian chromium for the playground browser tests (needs root or sudo)
 # torch==2.13.0 resolves to the CPU wheel on this machine's disk (see pyproject.toml).
 .venv/bin/pip install --quiet --disable-pip-version-check -e ".[test,bench]"
 .venv/bin/specdec build-kernels
