@@ -15,4 +15,4 @@ bash .ci/install-browser.sh  # Debian chromium for the playground browser tests 
 for model in ${SPECDEC_MODELS:-gemma-3-270m smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct}; do
   .venv/bin/specdec pull "$model" > /dev/null
 done
-echo "specdec is set up: $(.venv/bin/specdec models | grep -c pulled) catalogue models pulled" >&2
+echo "specdec is set up: $(.venv/bin/specdec models | grep -vc "not pulled") of 4 catalogue models pulled" >&2
