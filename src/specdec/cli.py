@@ -124,8 +124,6 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import uvicorn
 
     from specdec.llm import LLM
@@ -133,10 +131,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specdec.server.app import ServerConfig, create_app
 
     configure_threads(args.threads)
+    extra = {} if args.max_verify_tokens is None else {"max_verify_tokens": args.max_verify_tokens}
     llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device)
-    if args.max_verify_tokens is not None:  # LLM does not take it; the policy is a frozen dataclass on the engine
-        llm.engine.draft_policy = dataclasses.replace(llm.engine.draft_policy, max_verify_tokens=args.max_verify_tokens)
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device, **extra)
     app = create_app(llm, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                                         max_queue=args.max_queue))
     print(f"[serving {app.state.server.model_name} on http://{args.host}:{args.port}]", file=sys.stderr)
