@@ -3,7 +3,7 @@
     python -m specdec.bench.kernel_bench [--threads 2] [--shapes 640x1024,...] [--ms 1,2,4,8,16]
 
 Per shape (in x out) and row count M: median wall time of q8_linear, T(M)/T(1),
-GB/s of weight bytes (int8 weight for q8, 2 B/elem bf16, 4 B/elem fp32), and the
+GB/s of weight bytes (int8 weight + fp16 block scales for q8, 2 B/elem bf16, 4 B/elem fp32), and the
 same for F.linear in bf16 and fp32.  Also: per-call overhead on tiny shapes and
 attention timings.
 """

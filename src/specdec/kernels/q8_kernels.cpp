@@ -300,6 +300,10 @@ inline void tile_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, con
   const int64_t Kp = L.Kp;
   const int64_t ldc = L.U * 16;
   const int64_t ldw = Kp / 32;
+  // the scales of the next tile (contiguous after this tile's) are a separate
+  // small stream: fetch them early so their misses overlap this tile's work
+  for (int64_t o = 0; o < NR * ldw * 2; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(wscale + NR * ldw) + o, _MM_HINT_T0);
   // W is the tile base: chunk q of row n is at W + (q * NR + n) * 64
   __m512 fa[NR][MR];
 #pragma GCC unroll 16
