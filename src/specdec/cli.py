@@ -33,6 +33,8 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     parser.add_argument("--show-drafts", action="store_true", help="colour accepted (green), recovered (yellow) and bonus (cyan) tokens")
     parser.add_argument("--compare-plain", action="store_true", help="also decode without speculation and print the speed-up")
+    parser.add_argument("--draft-policy", default="adaptive", choices=["adaptive", "fixed"],
+                        help="adaptive: k per step from acceptance and measured costs (<= num_speculative_tokens); fixed: always k")
     parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=None)
@@ -62,7 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     started = time.perf_counter()
     llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
-              max_model_len=args.max_model_len, max_num_seqs=1, device=args.device)
+              max_model_len=args.max_model_len, max_num_seqs=1, device=args.device, draft_policy=args.draft_policy)
     print(f"[loaded {args.model} in {time.perf_counter() - started:.1f} s]", file=sys.stderr)
     plain = None
     if args.compare_plain and llm.spec_config is not None:
@@ -164,6 +166,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from specdec.plan import cmd_plan as run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -182,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="Spec-Bench-style benchmark of the methods (and peers), lossless check")
     add_bench_arguments(bench)
     bench.set_defaults(handler=cmd_bench)
+    from specdec.plan import add_plan_arguments
+
+    plan = commands.add_parser("plan", help="recommended draft length for a model on given hardware, with its reasons")
+    add_plan_arguments(plan)
+    plan.set_defaults(handler=cmd_plan)
     commands.add_parser("build-kernels", help="compile the CPU kernels now (otherwise done on first use)").set_defaults(
         handler=cmd_build_kernels)
     return parser

@@ -10,6 +10,8 @@ import torch
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Drafter
 from specdec.drafters.factory import build_drafter
+from specdec.engine.adaptive import build_draft_policy
+from specdec.engine.draft_policy import DraftLengthPolicy
 from specdec.engine.engine import Engine, StepOutput
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence as EngineSequence
@@ -51,9 +53,12 @@ class LLM:
         drafter: Drafter | None = None,
         max_verify_tokens: int = 32,
         prefill_chunk: int = 512,
+        draft_policy: str | DraftLengthPolicy = "adaptive",
     ) -> None:
         """loaded: an already built (model, tokenizer) to share between LLMs; drafter: a ready drafter to use
-        instead of building the one speculative_config names (its num_speculative_tokens still applies)."""
+        instead of building the one speculative_config names (its num_speculative_tokens still applies).
+        draft_policy: "adaptive" (k per request and step from acceptance and the measured cost profile, at most
+        num_speculative_tokens), "fixed" (BatchDraftPolicy) or a DraftLengthPolicy instance."""
         self.spec_config = _as_spec_config(speculative_config)
         self.device = torch.device(device) if device else default_device()
         self.model, self.tokenizer = loaded if loaded is not None else load_model(model, weight_format, self.device)
@@ -64,8 +69,10 @@ class LLM:
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         if drafter is not None and self.spec_config is None:
             raise ValueError("a drafter needs a speculative_config (for num_speculative_tokens)")
+        policy = build_draft_policy(draft_policy, k, max_verify_tokens, self.model, drafter,
+                                    model_name=model if loaded is None else None, weight_format=weight_format)
         self.engine = Engine(self.model, self.tokenizer, max_num_seqs, self.max_model_len, drafter, k,
-                             prefill_chunk=prefill_chunk, max_verify_tokens=max_verify_tokens)
+                             prefill_chunk=prefill_chunk, max_verify_tokens=max_verify_tokens, draft_policy=policy)
 
     def encode_prompt(self, prompt: str | Sequence[int] | list[dict], chat: bool = False) -> list[int]:
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):

@@ -1,0 +1,163 @@
+"""Adaptive draft length: per request, learn where its drafts stop hitting; per step, pick the k that buys the
+most tokens per second under the measured cost of verification (`specdec.engine.cost_model`).
+
+Per request and draft position i we keep α_i, an exponential moving average of the conditional acceptance
+P(token i accepted | tokens 0..i-1 accepted). It starts at an optimistic prior (0.7: enough to try drafting)
+and is updated from the request's own `SpecDecodeMetrics` after every verify step. Each step the cost model
+splits the step's row budget (the knee of T(n)) over the batch so that expected tokens per second is largest;
+a request may get k = 0. A request held at k = 0 for `reprobe_interval` steps drafts one token once (a probe),
+so a request whose drafts start hitting later (a repeated passage, code) climbs back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence as SequenceOf
+
+from specdec.engine.cost_model import CostModel
+from specdec.engine.draft_policy import DraftLengthPolicy
+from specdec.engine.metrics import SpecDecodeMetrics
+from specdec.engine.sequence import Sequence
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-position EMA of conditional acceptance for one request."""
+
+    prior: float
+    weight: float  # EMA weight of one observation
+    alphas: list[float] = field(default_factory=list)  # [max_k]
+    seen_drafted: list[int] = field(default_factory=list)  # metrics counters at the last update
+    seen_accepted: list[int] = field(default_factory=list)
+    steps_at_zero: int = 0
+
+    def alpha(self, position: int) -> float:
+        return self.alphas[position] if position < len(self.alphas) else self.prior
+
+    def table(self, max_k: int) -> list[float]:
+        return [self.alpha(i) for i in range(max_k)]
+
+    def update(self, metrics: SpecDecodeMetrics) -> None:
+        """Folds in the verify steps recorded since the last call.
+
+        At position i, `reached` = steps that drafted token i with tokens 0..i-1 accepted, `hits` = of those,
+        steps that accepted token i. For one new step (the usual case) this is exact; for several it is the
+        pooled estimate.
+        """
+        drafted = _delta(metrics.drafted_per_position, self.seen_drafted)
+        accepted = _delta(metrics.accepted_per_position, self.seen_accepted)
+        self.seen_drafted, self.seen_accepted = list(metrics.drafted_per_position), list(metrics.accepted_per_position)
+        for i, drafted_i in enumerate(drafted):
+            reached = drafted_i if i == 0 else min(drafted_i, accepted[i - 1])
+            if reached:
+                self._observe(i, accepted[i] / reached, reached)
+
+    def _observe(self, position: int, rate: float, count: int) -> None:
+        while len(self.alphas) <= position:
+            self.alphas.append(self.prior)
+        keep = (1 - self.weight) ** count
+        self.alphas[position] = keep * self.alphas[position] + (1 - keep) * rate
+
+
+def _delta(now: list[int], before: list[int]) -> list[int]:
+    return [n - (before[i] if i < len(before) else 0) for i, n in enumerate(now)]
+
+
+class AdaptiveDraftPolicy(DraftLengthPolicy):
+    """k per request and step from acceptance estimates and a CostModel (`CostModel.fallback` without a profile).
+
+    max_draft_tokens: the largest k (the speculative config's num_speculative_tokens).
+    max_verify_tokens: a cap on the rows of one step on top of the cost model's knee.
+    """
+
+    def __init__(self, max_draft_tokens: int, cost_model: CostModel | None = None, max_verify_tokens: int = 32,
+                 prior_alpha: float = 0.7, ema_weight: float = 0.3, reprobe_interval: int = 16) -> None:
+        if max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be >= 1, got {max_draft_tokens}")
+        if not 0 < prior_alpha < 1 or not 0 < ema_weight <= 1:
+            raise ValueError(f"need 0 < prior_alpha < 1 and 0 < ema_weight <= 1, got {prior_alpha}, {ema_weight}")
+        if reprobe_interval < 1:
+            raise ValueError(f"reprobe_interval must be >= 1, got {reprobe_interval}")
+        self.max_draft_tokens = max_draft_tokens
+        self.cost_model = cost_model or CostModel.fallback(max_verify_tokens)
+        self.max_rows = min(self.cost_model.max_rows, max_verify_tokens)
+        self.prior_alpha = prior_alpha
+        self.ema_weight = ema_weight
+        self.reprobe_interval = reprobe_interval
+        self._estimates: dict[str, tuple[Sequence, AcceptanceEstimate]] = {}
+
+    def estimate(self, seq: Sequence) -> AcceptanceEstimate:
+        """The request's acceptance estimate, up to date with its metrics (a new one for a new Sequence)."""
+        entry = self._estimates.get(seq.request_id)
+        if entry is None or entry[0] is not seq:
+            entry = (seq, AcceptanceEstimate(self.prior_alpha, self.ema_weight))
+            self._estimates[seq.request_id] = entry
+        entry[1].update(seq.metrics)
+        return entry[1]
+
+    def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int) -> list[int]:
+        estimates = [self.estimate(seq) for seq in seqs]
+        self._forget_others(seqs)
+        lengths = self.cost_model.allocate([e.table(self.max_draft_tokens) for e in estimates], batch_size,
+                                           self.max_draft_tokens, self.max_rows)
+        return self._reprobe(lengths, estimates, batch_size)
+
+    def _reprobe(self, lengths: list[int], estimates: list[AcceptanceEstimate], batch_size: int) -> list[int]:
+        rows = batch_size + sum(lengths)
+        for i, estimate in enumerate(estimates):
+            if lengths[i]:
+                estimate.steps_at_zero = 0
+                continue
+            estimate.steps_at_zero += 1
+            if estimate.steps_at_zero >= self.reprobe_interval and rows < self.max_rows:
+                lengths[i], rows, estimate.steps_at_zero = 1, rows + 1, 0
+        return lengths
+
+    def _forget_others(self, seqs: SequenceOf[Sequence]) -> None:
+        """Drops finished requests: every running speculating request is in every decode step."""
+        current = {seq.request_id for seq in seqs}
+        for request_id in [r for r in self._estimates if r not in current]:
+            del self._estimates[request_id]
+
+
+DRAFT_POLICIES = ("adaptive", "fixed")
+
+
+def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: int, max_verify_tokens: int,
+                       target=None, drafter=None, model_name: str | None = None,
+                       weight_format: str = "q8") -> DraftLengthPolicy | None:
+    """The engine's draft policy for LLM(draft_policy=...): an instance as given; "fixed" -> BatchDraftPolicy;
+    "adaptive" -> AdaptiveDraftPolicy over the cached profile of this (model, weight format, threads, machine)
+    when one exists (`specdec plan --measure` writes it), else `CostModel.fallback`. None when not speculating."""
+    from specdec.engine.draft_policy import BatchDraftPolicy
+
+    if isinstance(choice, DraftLengthPolicy):
+        return choice
+    if choice not in DRAFT_POLICIES:
+        raise ValueError(f"unknown draft policy {choice!r}; known: {', '.join(DRAFT_POLICIES)} (or a DraftLengthPolicy)")
+    if num_speculative_tokens < 1:
+        return None
+    if choice == "fixed":
+        return BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)
+    cost_model = _cached_cost_model(target, drafter, model_name, weight_format, max_verify_tokens)
+    return AdaptiveDraftPolicy(num_speculative_tokens, cost_model, max_verify_tokens)
+
+
+def _cached_cost_model(target, drafter, model_name: str | None, weight_format: str, max_verify_tokens: int) -> CostModel:
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.engine.cost_model import DrafterCost, ProfileKey, load_profile
+
+    forward = None
+    if model_name is not None and target is not None:
+        try:
+            forward = load_profile(ProfileKey.current(model_name, weight_format, target.device))
+        except (OSError, ValueError):
+            forward = None
+    t1 = forward(1) if forward is not None else 1.0  # the fallback's time unit is T(1)
+    drafter_cost = DrafterCost()  # ngram / suffix lookups: measured ≈ 0 next to a forward
+    if isinstance(drafter, DraftModelDrafter) and target is not None:
+        # decode is memory-bound: the draft's T(1) ≈ the target's T(1) scaled by the weight bytes streamed
+        per_token = t1 * drafter.model.weight_nbytes / max(1, target.weight_nbytes)
+        drafter_cost = DrafterCost(per_token_s=per_token, per_step_s=per_token, batched=True)
+    if forward is None:
+        return CostModel.fallback(max_verify_tokens, drafter_cost)
+    return CostModel(forward, drafter_cost)

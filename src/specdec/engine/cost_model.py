@@ -1,0 +1,308 @@
+"""What one speculative step costs on this machine, and how many tokens per second a draft length buys.
+
+Glossary (see docs/draft-length.md for the derivations):
+  T(n)      seconds of one target forward over n new token rows in total (all sequences of the step together,
+            each row attending to its sequence's cache). Measured for n = 1..32 by `measure_forward_costs`.
+  α_i       conditional acceptance at draft position i: P(draft token i accepted | tokens 0..i-1 accepted).
+  E(k)      expected tokens emitted by one verify step of k draft tokens, including the recovered/bonus token:
+            E(k) = sum_{i=0..k} prod_{j<i} α_j;  with a constant α this is (1 - α^(k+1)) / (1 - α).
+  knee      the most rows one step may verify: the largest measured n with T(n) <= knee_ratio · T(1)
+            (default 2: a step never costs more than two plain decode steps), never beyond the measured range.
+  speed     a step of B sequences with draft lengths k_b emits sum_b E_b(k_b) tokens in
+            T(B + sum_b k_b) + draft_cost(k_1..k_B) seconds.
+
+Profiles are cached as JSON under ``$XDG_CACHE_HOME/specdec/costs/`` (``~/.cache/specdec/costs``), one file per
+(model identity, weight format, thread count, machine) — see `ProfileKey`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence as SequenceOf
+
+import torch
+
+MAX_PROFILE_ROWS = 32
+
+
+def expected_accepted_length(k: int, alpha_per_position: float | SequenceOf[float]) -> float:
+    """E(k) = sum_{i=0..k} prod_{j<i} α_j: tokens per verify step (the i = 0 term is the recovered/bonus token).
+
+    A float α means every position has it; a list shorter than k repeats its last entry.
+    """
+    alphas = _alphas(alpha_per_position, k)
+    total, reach = 1.0, 1.0
+    for alpha in alphas:
+        reach *= alpha
+        total += reach
+    return total
+
+
+def _alphas(alpha_per_position: float | SequenceOf[float], k: int) -> list[float]:
+    if isinstance(alpha_per_position, (int, float)):
+        return [float(alpha_per_position)] * k
+    alphas = [float(a) for a in alpha_per_position][:k]
+    if len(alphas) < k:
+        if not alphas:
+            raise ValueError("alpha_per_position is empty")
+        alphas += [alphas[-1]] * (k - len(alphas))
+    return alphas
+
+
+@dataclass(frozen=True)
+class ForwardCosts:
+    """T(n) for n = 1..len(seconds): seconds[n - 1] is one target forward of n new token rows."""
+
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.seconds or any(not s > 0 for s in self.seconds):
+            raise ValueError(f"ForwardCosts needs positive times for n = 1..N, got {self.seconds}")
+
+    @classmethod
+    def from_ratios(cls, t1_s: float, ratios: SequenceOf[float]) -> ForwardCosts:
+        """ratios[n - 1] = T(n) / T(1)."""
+        return cls(tuple(t1_s * r for r in ratios))
+
+    @classmethod
+    def linear(cls, t1_s: float, slope: float, max_rows: int = MAX_PROFILE_ROWS) -> ForwardCosts:
+        """Synthetic T(n) = T(1) · (1 + slope · (n - 1)) (tests, and the no-profile fallback)."""
+        return cls.from_ratios(t1_s, [1 + slope * (n - 1) for n in range(1, max_rows + 1)])
+
+    @property
+    def max_rows(self) -> int:
+        return len(self.seconds)
+
+    def __call__(self, rows: int) -> float:
+        """T(rows); beyond the measured range it grows linearly with the last measured slope."""
+        if rows < 1:
+            raise ValueError(f"a forward has at least one row, got {rows}")
+        if rows <= self.max_rows:
+            return self.seconds[rows - 1]
+        last = self.seconds[-1]
+        slope = max(last - self.seconds[-2], last / self.max_rows) if self.max_rows > 1 else last
+        return last + slope * (rows - self.max_rows)
+
+    def knee(self, knee_ratio: float = 2.0) -> int:
+        """Largest measured n with T(n) <= knee_ratio · T(1) (at least 1)."""
+        limit = knee_ratio * self.seconds[0]
+        return max([n for n in range(1, self.max_rows + 1) if self.seconds[n - 1] <= limit] or [1])
+
+
+@dataclass(frozen=True)
+class DrafterCost:
+    """Seconds the drafter spends per step.
+
+    per_token_s: per proposed token. ngram/suffix: measured ≈ 0 (a dictionary / trie lookup per sequence).
+        draft model: its own T(1) — one draft forward per draft position, batched over the sequences.
+    per_step_s: once per step that drafts at all (the draft model's catch-up forward of the committed tokens).
+    batched: True when the sequences' tokens at one position share one forward (draft model): the step then
+        costs max(k) · per_token_s; False (lookup drafters): sum(k) · per_token_s.
+    """
+
+    per_token_s: float = 0.0
+    per_step_s: float = 0.0
+    batched: bool = False
+
+    def __call__(self, draft_lengths: SequenceOf[int]) -> float:
+        if not any(draft_lengths):
+            return 0.0
+        tokens = max(draft_lengths) if self.batched else sum(draft_lengths)
+        return self.per_step_s + self.per_token_s * tokens
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Target forward costs T(n) + drafter costs -> expected tokens per second of a step."""
+
+    forward: ForwardCosts
+    drafter: DrafterCost = field(default_factory=DrafterCost)
+    knee_ratio: float = 2.0
+
+    @classmethod
+    def fallback(cls, max_verify_tokens: int = 32, drafter: DrafterCost | None = None) -> CostModel:
+        """No profile: a nearly flat T (2 % per extra row) whose knee is max_verify_tokens — the same row budget
+        as `BatchDraftPolicy`; the small slope makes drafts that never hit not worth their rows."""
+        forward = ForwardCosts.linear(1.0, 0.02, max(1, max_verify_tokens))
+        return cls(forward, drafter or DrafterCost(), knee_ratio=float("inf"))
+
+    @property
+    def max_rows(self) -> int:
+        """The knee: most token rows one step verifies."""
+        return self.forward.knee(self.knee_ratio)
+
+    def step_seconds(self, draft_lengths: SequenceOf[int], batch_size: int) -> float:
+        """batch_size counts every sequence in the step (speculating or not)."""
+        return self.forward(batch_size + sum(draft_lengths)) + self.drafter(draft_lengths)
+
+    def expected_tokens_per_s(self, k: int, alpha_per_position: float | SequenceOf[float], batch: int = 1) -> float:
+        """B sequences all drafting k with the same α: B · E(k) / (T(B · (k + 1)) + draft_cost(k, B))."""
+        lengths = [k] * batch
+        return batch * expected_accepted_length(k, alpha_per_position) / self.step_seconds(lengths, batch)
+
+    def best_k(self, alpha_per_position: float | SequenceOf[float], batch: int = 1, max_k: int = 16) -> int:
+        """The draft length maximising `expected_tokens_per_s` for B identical sequences within the knee."""
+        return self.allocate([alpha_per_position] * batch, batch, max_k)[0] if batch else 0
+
+    def allocate(self, alphas: SequenceOf[float | SequenceOf[float]], batch_size: int, max_k: int | SequenceOf[int],
+                 max_rows: int | None = None) -> list[int]:
+        """Draft length per speculating sequence maximising the step's expected tokens per second.
+
+        For a fixed total of draft rows R, sum_b E_b is largest when each next row goes to the sequence whose
+        next position adds most (prod_{j<=k_b} α_{b,j}; it shrinks as k_b grows, so greedy is optimal).
+        Walking R = 0, 1, ... while batch_size + R stays within the knee (and max_rows), keep the R with the
+        best speed (ties: fewer rows).
+        """
+        row_limit = self.max_rows if max_rows is None else min(self.max_rows, max_rows)
+        caps = [max_k] * len(alphas) if isinstance(max_k, int) else list(max_k)
+        lengths, reach = [0] * len(alphas), [1.0] * len(alphas)
+        tables = [_alphas(a, cap) for a, cap in zip(alphas, caps)]
+        best, best_speed, tokens = list(lengths), len(alphas) / self.step_seconds(lengths, batch_size), float(len(alphas))
+        while batch_size + sum(lengths) < row_limit:
+            gains = [reach[b] * tables[b][lengths[b]] if lengths[b] < caps[b] else -1.0 for b in range(len(alphas))]
+            b = max(range(len(alphas)), key=gains.__getitem__, default=None)
+            if b is None or gains[b] < 0:
+                break
+            lengths[b] += 1
+            reach[b] = gains[b]
+            tokens += gains[b]
+            speed = tokens / self.step_seconds(lengths, batch_size)
+            if speed > best_speed * (1 + 1e-9):
+                best, best_speed = list(lengths), speed
+        return best
+
+
+# ---- measuring and caching --------------------------------------------------------------------------------
+def measure_forward_costs(model, max_rows: int = MAX_PROFILE_ROWS, context: int = 128, repeats: int = 3) -> ForwardCosts:
+    """Median seconds of one forward of n new tokens of one sequence after `context` cached tokens, n = 1..max_rows.
+
+    model: a specdec Transformer. Rows of one sequence stand for the rows of a batch: the weights are streamed
+    once per forward either way; only the (small at this context) attention reads differ.
+    """
+    from specdec.cache.kv_cache import KVCache
+    from specdec.engine.batch import ForwardBatch
+
+    cache = KVCache(model.config, 1, context + max_rows + 1, model.device)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (context + max_rows,), generator=generator).tolist()
+    model.forward(ForwardBatch.build([prompt[:context]], [0], [0], all_logits=False, device=model.device), cache)
+    seconds = []
+    for rows in range(1, max_rows + 1):
+        batch = ForwardBatch.build([prompt[context : context + rows]], [context], [0], all_logits=True, device=model.device)
+        model.forward(batch, cache)  # warm-up
+        times = []
+        for _ in range(repeats):
+            _sync(model.device)
+            start = time.perf_counter()
+            model.forward(batch, cache)
+            _sync(model.device)
+            times.append(time.perf_counter() - start)
+        seconds.append(statistics.median(times))
+    return ForwardCosts(monotone(seconds))
+
+
+def monotone(seconds: SequenceOf[float]) -> tuple[float, ...]:
+    """T(n) = min over m >= n of the measured T(m): more rows never cost less, so a lone slow sample (another
+    process on the cores) is discarded rather than taken as a cliff."""
+    result, lowest = [], float("inf")
+    for value in reversed(seconds):
+        lowest = min(lowest, value)
+        result.append(lowest)
+    return tuple(reversed(result))
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def machine_name(device: str | torch.device = "cpu") -> str:
+    """The CPU model string (and the GPU's name when profiling on one)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def model_identity(name_or_path: str) -> str:
+    """Catalogue models: name + the pinned sha256 of their file. Other paths: name + a fingerprint of
+    (resolved path, size, mtime) of the file or the directory's files (hashing GBs at every start is too slow)."""
+    from specdec.models.catalog import CATALOG
+
+    if name_or_path in CATALOG:
+        return f"{name_or_path}@sha256:{CATALOG[name_or_path].sha256}"
+    path = Path(name_or_path).expanduser().resolve()
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    digest = hashlib.sha256()
+    for file in files:
+        if file.is_file():
+            stat = file.stat()
+            digest.update(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return f"{path.name}@files:{digest.hexdigest()[:16]}"
+
+
+@dataclass(frozen=True)
+class ProfileKey:
+    model: str  # model_identity(...)
+    weight_format: str
+    threads: int
+    machine: str
+
+    @classmethod
+    def current(cls, model_name_or_path: str, weight_format: str, device: str | torch.device = "cpu") -> ProfileKey:
+        return cls(model_identity(model_name_or_path), weight_format, torch.get_num_threads(), machine_name(device))
+
+    def filename(self) -> str:
+        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", self.model.split("@")[0])[:60]
+        return f"{stem}-{self.weight_format}-{self.threads}t-{digest}.json"
+
+
+def costs_dir() -> Path:
+    """``$XDG_CACHE_HOME/specdec/costs`` (``~/.cache/specdec/costs`` when unset)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "specdec" / "costs"
+
+
+def save_profile(key: ProfileKey, forward: ForwardCosts, extra: dict | None = None) -> Path:
+    path = costs_dir() / key.filename()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"key": dataclasses.asdict(key), "forward_s": list(forward.seconds), "measured_at": time.time(), **(extra or {})}
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(payload, indent=2))
+    os.replace(partial, path)
+    return path
+
+
+def load_profile(key: ProfileKey) -> ForwardCosts | None:
+    """The cached T(n) for exactly this key, or None (missing, unreadable or for another key)."""
+    path = costs_dir() / key.filename()
+    try:
+        payload = json.loads(path.read_text())
+        if payload["key"] != dataclasses.asdict(key):
+            return None
+        return ForwardCosts(tuple(float(s) for s in payload["forward_s"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def load_or_measure(model, key: ProfileKey, max_rows: int = MAX_PROFILE_ROWS) -> ForwardCosts:
+    cached = load_profile(key)
+    if cached is not None and cached.max_rows >= max_rows:
+        return cached
+    forward = measure_forward_costs(model, max_rows=max_rows)
+    save_profile(key, forward)
+    return forward

@@ -1,0 +1,131 @@
+"""Adaptive draft length: EMA acceptance per position, k from the cost model, the re-probe after k = 0, and
+greedy output identical to plain decoding (batch 1 and 4) on tiny models."""
+import pytest
+
+from specdec.config import SamplingParams
+from specdec.engine.adaptive import AcceptanceEstimate, AdaptiveDraftPolicy, build_draft_policy
+from specdec.engine.cost_model import CostModel, ForwardCosts
+from specdec.engine.draft_policy import BatchDraftPolicy
+from specdec.engine.engine import Engine
+from specdec.engine.metrics import SpecDecodeMetrics
+from specdec.engine.sequence import new_sequence
+
+from engine.test_speculative import ARCHITECTURES, METHODS, PROMPTS, make_drafter, run
+
+CPU_LIKE = CostModel(ForwardCosts.linear(0.010, 0.05))  # every extra row costs 5 % of a decode step
+
+
+def make_seq(tokenizer, request_id="0"):
+    return new_sequence(request_id, [1, 2, 3], SamplingParams(max_tokens=100), tokenizer, 256, None, True)
+
+
+def step(policy, seqs, accepted, batch_size=None):
+    """One engine step: ask for k, then record that `accepted[i]` of seq i's k drafts were accepted."""
+    lengths = policy.draft_lengths(seqs, batch_size=batch_size or len(seqs))
+    for seq, k, a in zip(seqs, lengths, accepted):
+        if k:
+            seq.metrics.record_step(k, min(k, a))
+    return lengths
+
+
+def test_estimate_updates_conditional_acceptance_per_position():
+    estimate = AcceptanceEstimate(prior=0.7, weight=0.5)
+    metrics = SpecDecodeMetrics()
+    metrics.record_step(4, 2)  # positions 0, 1 accepted; 2 rejected; 3 not reached
+    estimate.update(metrics)
+    assert estimate.table(4) == pytest.approx([0.85, 0.85, 0.35, 0.7])
+    estimate.update(metrics)  # nothing new: unchanged
+    assert estimate.table(4) == pytest.approx([0.85, 0.85, 0.35, 0.7])
+    metrics.record_step(1, 0)
+    estimate.update(metrics)
+    assert estimate.alpha(0) == pytest.approx(0.425)
+
+
+def test_k_drops_to_zero_when_drafts_never_hit(tiny_tokenizer):
+    policy = AdaptiveDraftPolicy(6, CPU_LIKE, reprobe_interval=1000)
+    seq = make_seq(tiny_tokenizer)
+    lengths = [step(policy, [seq], [0])[0] for _ in range(20)]
+    assert lengths[0] == 6  # optimistic prior: explore
+    assert lengths[-1] == 0 and lengths.index(0) < 12
+
+
+def test_long_k_when_drafts_always_hit(tiny_tokenizer):
+    policy = AdaptiveDraftPolicy(8, CostModel(ForwardCosts.linear(0.010, 0.0)))
+    seq = make_seq(tiny_tokenizer)
+    assert [step(policy, [seq], [8])[0] for _ in range(10)] == [8] * 10
+
+
+def test_k_settles_shorter_when_only_the_first_drafts_hit(tiny_tokenizer):
+    policy = AdaptiveDraftPolicy(8, CPU_LIKE, reprobe_interval=1000)
+    seq = make_seq(tiny_tokenizer)
+    lengths = [step(policy, [seq], [2])[0] for _ in range(30)]
+    assert lengths[-1] == 2  # positions 0, 1 always hit, position 2 never: drafting it buys nothing
+
+
+def test_reprobe_after_zero_and_recovery(tiny_tokenizer):
+    policy = AdaptiveDraftPolicy(4, CPU_LIKE, reprobe_interval=5)
+    seq = make_seq(tiny_tokenizer)
+    for _ in range(15):
+        step(policy, [seq], [0])
+    lengths = [step(policy, [seq], [0])[0] for _ in range(10)]
+    assert lengths.count(1) == 2 and set(lengths) == {0, 1}  # probes every 5th step at k = 1
+    recovered = [step(policy, [seq], [4])[0] for _ in range(40)]  # drafts start hitting
+    assert recovered[-1] == 4
+
+
+def test_batch_rows_within_the_knee(tiny_tokenizer):
+    knee8 = CostModel(ForwardCosts.from_ratios(0.01, [1.0] * 8 + [4.0] * 24))
+    policy = AdaptiveDraftPolicy(5, knee8)
+    for batch in (1, 2, 3, 4, 8):
+        seqs = [make_seq(tiny_tokenizer, str(i)) for i in range(batch)]
+        lengths = policy.draft_lengths(seqs, batch_size=batch)
+        assert batch + sum(lengths) <= 8
+    assert policy.draft_lengths([make_seq(tiny_tokenizer, "x")], batch_size=8) == [0]
+
+
+def test_max_verify_tokens_caps_rows(tiny_tokenizer):
+    policy = AdaptiveDraftPolicy(5, CostModel(ForwardCosts.linear(0.01, 0.0)), max_verify_tokens=6)
+    seqs = [make_seq(tiny_tokenizer, str(i)) for i in range(3)]
+    assert sum(policy.draft_lengths(seqs, batch_size=3)) == 3
+
+
+def test_build_draft_policy_choices():
+    assert build_draft_policy("fixed", 4, 32) == BatchDraftPolicy(4, 32)
+    assert isinstance(build_draft_policy("adaptive", 4, 32), AdaptiveDraftPolicy)
+    assert build_draft_policy("adaptive", 0, 32) is None
+    with pytest.raises(ValueError, match="unknown draft policy"):
+        build_draft_policy("sometimes", 4, 32)
+
+
+def run_adaptive(model, tokenizer, prompts, params, drafter, cost_model=None, k=4):
+    engine = Engine(model, tokenizer, max_num_seqs=4, max_model_len=256, drafter=drafter, num_speculative_tokens=k,
+                    draft_policy=AdaptiveDraftPolicy(k, cost_model))
+    seqs = [engine.add_request(prompt, params) for prompt in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return seqs, engine
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_adaptive_output_identical_to_plain(make_tiny_model, tiny_tokenizer, architecture, method, batch):
+    model = make_tiny_model(architecture)
+    params = SamplingParams(max_tokens=40)
+    prompts = PROMPTS[:batch] if batch > 1 else [PROMPTS[1]]
+    plain, _ = run(model, tiny_tokenizer, prompts, params)
+    spec, engine = run_adaptive(model, tiny_tokenizer, prompts, params, make_drafter(method, make_tiny_model, architecture),
+                                CPU_LIKE)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert [s.finish_reason for s in spec] == [s.finish_reason for s in plain]
+    assert engine.metrics.drafted_tokens > 0
+
+
+def test_adaptive_drafts_less_than_fixed_when_drafts_miss(make_tiny_model, tiny_tokenizer):
+    model = make_tiny_model("qwen2")
+    params = SamplingParams(max_tokens=60)
+    _, fixed = run(model, tiny_tokenizer, PROMPTS, params, make_drafter("draft_model", make_tiny_model, "qwen2"), k=4)
+    _, adaptive = run_adaptive(model, tiny_tokenizer, PROMPTS, params, make_drafter("draft_model", make_tiny_model, "qwen2"),
+                               CPU_LIKE)
+    assert fixed.metrics.acceptance_rate < 0.05  # a random draft model: its drafts (almost) never hit
+    assert adaptive.metrics.drafted_tokens < fixed.metrics.drafted_tokens / 4

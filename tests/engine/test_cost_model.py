@@ -1,0 +1,104 @@
+"""Cost model: expected accepted length, the k that maximises tokens per second on synthetic timings, the
+batch-aware row budget (knee of T), and the JSON profile cache."""
+import pytest
+
+from specdec.engine import cost_model
+from specdec.engine.cost_model import CostModel, DrafterCost, ForwardCosts, ProfileKey, expected_accepted_length
+
+FLAT = ForwardCosts.linear(0.010, 0.0)  # T(n) = 10 ms for n = 1..32
+STEEP = ForwardCosts.linear(0.010, 0.5)  # every extra row costs half a decode step
+
+
+def test_expected_accepted_length_closed_form_and_per_position():
+    assert expected_accepted_length(4, 0.8) == pytest.approx(3.3616)
+    assert expected_accepted_length(4, 0.8) == pytest.approx((1 - 0.8**5) / (1 - 0.8))
+    assert expected_accepted_length(0, 0.9) == 1.0
+    assert expected_accepted_length(3, [0.5, 0.5, 0.0]) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_accepted_length(3, [0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)  # last entry repeats
+
+
+def test_expected_tokens_per_s_formula():
+    model = CostModel(ForwardCosts.linear(0.010, 0.1), DrafterCost(per_token_s=0.001))
+    # B = 2, k = 3: rows 8 -> T = 10 ms * 1.7; draft 6 tokens * 1 ms
+    expected = 2 * expected_accepted_length(3, 0.6) / (0.017 + 0.006)
+    assert model.expected_tokens_per_s(3, 0.6, batch=2) == pytest.approx(expected)
+
+
+def test_picks_zero_when_drafts_never_hit():
+    assert CostModel(FLAT).best_k(0.0, max_k=8) == 0
+    assert CostModel(ForwardCosts.linear(0.010, 0.02)).best_k(0.01, max_k=8) == 0
+
+
+def test_long_k_when_drafts_always_hit_and_t_is_flat():
+    assert CostModel(FLAT).best_k(1.0, max_k=12) == 12
+    assert CostModel(FLAT).best_k(0.95, max_k=12) == 12
+
+
+def test_k_shrinks_as_t_rises_steeply():
+    gentle = CostModel(ForwardCosts.linear(0.010, 0.05)).best_k(0.8, max_k=16)
+    steep = CostModel(STEEP).best_k(0.8, max_k=16)
+    assert gentle > steep >= 1
+    assert CostModel(ForwardCosts.linear(0.010, 1.0)).best_k(0.8, max_k=16) == 0  # compute-bound: T(n) = n T(1)
+
+
+def test_draft_cost_shortens_k():
+    cheap = CostModel(ForwardCosts.linear(0.010, 0.02)).best_k(0.7, max_k=16)
+    costly = CostModel(ForwardCosts.linear(0.010, 0.02), DrafterCost(per_token_s=0.003, batched=True)).best_k(0.7, max_k=16)
+    assert cheap > costly
+
+
+def test_knee_of_measured_curve():
+    assert STEEP.knee(2.0) == 3  # T(3) = 2 T(1)
+    assert FLAT.knee() == 32  # never beyond the measured range
+    assert ForwardCosts((1.0, 1.1, 1.2, 2.5, 3.0)).knee(2.0) == 3
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 12, 16, 24])
+def test_batch_rows_stay_within_the_knee(batch):
+    model = CostModel(ForwardCosts.from_ratios(0.01, [1 + 0.01 * n for n in range(16)] + [3.0] * 16))  # knee 16
+    assert model.max_rows == 16
+    lengths = model.allocate([0.9] * batch, batch, max_k=8)
+    assert batch + sum(lengths) <= max(16, batch)
+    if batch >= 16:
+        assert lengths == [0] * batch
+
+
+def test_k_shrinks_with_batch():
+    model = CostModel(ForwardCosts.linear(0.010, 0.01))
+    ks = [model.best_k(0.8, batch=b, max_k=8) for b in (1, 4, 8, 16, 32)]
+    assert ks == sorted(ks, reverse=True) and ks[0] == 8 and ks[-1] == 0
+
+
+def test_allocation_prefers_requests_whose_drafts_hit():
+    lengths = CostModel(ForwardCosts.linear(0.010, 0.05)).allocate([0.95, 0.05], batch_size=2, max_k=8)
+    assert lengths[0] > 0 and lengths[1] == 0
+
+
+def test_fallback_matches_batch_policy_row_budget():
+    fallback = CostModel.fallback(max_verify_tokens=32)
+    assert fallback.max_rows == 32
+    assert [fallback.best_k(0.7, b, max_k=5) for b in (1, 4, 8, 32)] == [5, 5, 3, 0]
+
+
+def test_forward_costs_extrapolate_and_monotone():
+    costs = ForwardCosts((1.0, 2.0, 3.0))
+    assert costs(5) == pytest.approx(5.0)
+    assert cost_model.monotone([1.0, 5.0, 2.0, 3.0]) == (1.0, 2.0, 2.0, 3.0)
+    with pytest.raises(ValueError):
+        ForwardCosts((1.0, 0.0))
+
+
+def test_profile_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    key = ProfileKey("tiny@files:abc", "q8", 2, "Some CPU")
+    assert cost_model.load_profile(key) is None
+    path = cost_model.save_profile(key, ForwardCosts((0.01, 0.011)))
+    assert path.parent == tmp_path / "specdec" / "costs" and path.suffix == ".json"
+    assert cost_model.load_profile(key) == ForwardCosts((0.01, 0.011))
+    other = ProfileKey("tiny@files:abc", "q8", 4, "Some CPU")  # another thread count: another profile
+    assert cost_model.load_profile(other) is None
+
+
+def test_measure_forward_costs_on_tiny_model(make_tiny_model):
+    costs = cost_model.measure_forward_costs(make_tiny_model("llama"), max_rows=6, context=8, repeats=1)
+    assert costs.max_rows == 6 and all(a <= b for a, b in zip(costs.seconds, costs.seconds[1:]))
