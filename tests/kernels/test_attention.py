@@ -7,7 +7,6 @@ import torch
 
 from specdec.kernels import ops
 
-pytestmark = pytest.mark.skipif(not ops.kernels_available(), reason="compiled specdec kernels unavailable")
 
 CONFIGS = [(4, 1, 256), (12, 2, 128), (9, 3, 64)]  # (Hq, Hkv, D): Gemma 3, Qwen2.5-1.5B, SmolLM2
 

@@ -5,7 +5,6 @@ import torch
 
 from specdec.kernels import ops
 
-pytestmark = pytest.mark.skipif(not ops.kernels_available(), reason="compiled specdec kernels unavailable")
 
 # (K, N): K not a multiple of 64 (576+?, 896 -> tail chunks), N not a multiple of 4 (plain tail rows)
 SHAPES = [(576, 37), (640, 256), (896, 130), (1536, 67), (2048, 64), (8960, 22), (100, 9)]
@@ -232,3 +231,9 @@ def test_torch_fallback_close():
     y = ops.q8_linear(x, qw, bias)
     yf = ops._q8_linear_torch(x, qw, bias)
     assert ((y - yf).norm() / yf.norm()).item() < 1.5e-2
+
+
+def test_compiled_kernels_are_available_on_this_machine():
+    """The row-invariant CPU kernels are the default path; CI must build them, not fall back silently."""
+    assert ops.kernels_available()
+    assert ops.kernel_isa() in ("avx512vnni", "scalar")

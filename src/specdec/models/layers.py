@@ -93,4 +93,5 @@ class Linear:
     def nbytes(self) -> int:
         if self.dense is not None:
             return self.dense.numel() * self.dense.element_size()
-        return self.quantized.qweight.numel() + self.quantized.scale.numel() * 4
+        q = self.quantized
+        return q.qweight.numel() * q.qweight.element_size() + q.scale.numel() * q.scale.element_size()
