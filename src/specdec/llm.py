@@ -70,7 +70,7 @@ class LLM:
         if drafter is not None and self.spec_config is None:
             raise ValueError("a drafter needs a speculative_config (for num_speculative_tokens)")
         policy = build_draft_policy(draft_policy, k, max_verify_tokens, self.model, drafter,
-                                    model_name=model if loaded is None else None, weight_format=weight_format)
+                                    model_name=self.model.source or None, weight_format=weight_format)
         self.engine = Engine(self.model, self.tokenizer, max_num_seqs, self.max_model_len, drafter, k,
                              prefill_chunk=prefill_chunk, max_verify_tokens=max_verify_tokens, draft_policy=policy)
 

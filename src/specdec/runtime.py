@@ -24,5 +24,6 @@ def configure_threads(num_threads: int | None = None) -> int:
 
 def load_model(name_or_path: str, weight_format: str = "q8", device: torch.device | str = "cpu") -> tuple[Transformer, Tokenizer]:
     checkpoint = load_checkpoint(resolve_model(name_or_path))
-    model = Transformer(checkpoint.config, checkpoint.tensors, weight_format=weight_format, device=device)
+    model = Transformer(checkpoint.config, checkpoint.tensors, weight_format=weight_format, device=device,
+                        source=str(name_or_path))
     return model, checkpoint.tokenizer

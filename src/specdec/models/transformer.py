@@ -57,8 +57,12 @@ def _build_layer(config: ModelConfig, tensors: dict[str, torch.Tensor], index: i
 class Transformer:
     """Forward pass over a ForwardBatch with a KVCache; returns logits of the requested rows."""
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], weight_format: str = "q8", device="cpu") -> None:
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], weight_format: str = "q8", device="cpu",
+                 source: str = "") -> None:
+        """source: the catalogue name or path the weights came from ("" for models built in memory); it keys
+        the measured cost profile of this model (engine/cost_model.py)."""
         self.config = config
+        self.source = source
         self.weight_format = weight_format
         self.device = torch.device(device)
         missing = self._missing_tensors(tensors)
