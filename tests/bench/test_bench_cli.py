@@ -19,7 +19,7 @@ PLOTS = ("speedup.png", "acceptance_by_position.png", "tokens_per_s.png")
 def _bench(model_dir, datasets, out, *extra):
     methods = f'none,ngram,suffix,draft_model:{{"model": "{model_dir}", "num_speculative_tokens": 3}}'
     argv = ["bench", "--model", str(model_dir), "--methods", methods, "--max-new-tokens", "24", "--out", str(out),
-            "--no-progress", *extra]
+            "--no-progress", "--draft-policy", "fixed", *extra]  # fixed k: every draft position is exercised
     for dataset in datasets:
         argv += ["--dataset", str(dataset)]
     return main(argv)

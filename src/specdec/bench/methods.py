@@ -176,7 +176,7 @@ class SpecdecRunner(Runner):
     family = "specdec"
 
     def __init__(self, spec: MethodSpec, loaded, weight_format: str, max_model_len: int,
-                 device: str | None = None) -> None:
+                 device: str | None = None, draft_policy: str = "adaptive") -> None:
         from specdec.llm import LLM
 
         self.spec = spec
@@ -184,7 +184,7 @@ class SpecdecRunner(Runner):
         self.reference = None if spec.method == REFERENCE_METHOD else REFERENCE_METHOD
         self.strict = True
         self.llm = LLM(loaded=loaded, speculative_config=spec.config, weight_format=weight_format,
-                       max_model_len=max_model_len, max_num_seqs=1, device=device)
+                       max_model_len=max_model_len, max_num_seqs=1, device=device, draft_policy=draft_policy)
 
     def generate(self, prompt_token_ids: list[int], max_new_tokens: int) -> Generation:
         import time

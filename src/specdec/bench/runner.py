@@ -47,6 +47,7 @@ class BenchOptions:
     categories: list[str] | None = None
     threads: int | None = None
     weight_format: str = "q8"
+    draft_policy: str = "adaptive"
     max_model_len: int = 4096
     device: str | None = None
     plots: bool = True
@@ -81,6 +82,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run a peer engine (repeatable)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
+    parser.add_argument("--draft-policy", default="adaptive", choices=["adaptive", "fixed"],
+                        help="adaptive: k per step from acceptance and measured costs; fixed: always the method's k")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--device", default=None)
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -92,8 +95,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         model=args.model, methods=args.methods or ["none,ngram,suffix"], datasets=list(args.dataset),
         out=Path(args.out), limit=args.limit, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
         peers=list(args.peer), categories=args.categories.split(",") if args.categories else None,
-        threads=args.threads, weight_format=args.weight_format, max_model_len=args.max_model_len,
-        device=args.device, plots=not args.no_plots, progress=not args.no_progress,
+        threads=args.threads, weight_format=args.weight_format, draft_policy=args.draft_policy,
+        max_model_len=args.max_model_len, device=args.device, plots=not args.no_plots, progress=not args.no_progress,
     )
 
 
@@ -164,7 +167,8 @@ def _run_rounds(options: BenchOptions, questions: list[Question], specs: list[Me
     descriptions: list[dict[str, Any]] = []
     with tqdm(total=total, desc="bench", unit="gen", disable=not options.progress, file=sys.stderr) as progress:
         for round_index in range(options.repeats):
-            runners = [SpecdecRunner(spec, loaded, options.weight_format, options.max_model_len, options.device)
+            runners = [SpecdecRunner(spec, loaded, options.weight_format, options.max_model_len, options.device,
+                                     options.draft_policy)
                        for spec in specs] + peer_runners
             descriptions = [runner.describe() for runner in runners]
             for runner in runners:
