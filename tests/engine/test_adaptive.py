@@ -6,7 +6,6 @@ from specdec.config import SamplingParams
 from specdec.engine.adaptive import AcceptanceEstimate, AdaptiveDraftPolicy, build_draft_policy
 from specdec.engine.cost_model import CostModel, ForwardCosts
 from specdec.engine.draft_policy import BatchDraftPolicy
-from specdec.engine.engine import Engine
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import new_sequence
 
@@ -98,12 +97,7 @@ def test_build_draft_policy_choices():
 
 
 def run_adaptive(model, tokenizer, prompts, params, drafter, cost_model=None, k=4):
-    engine = Engine(model, tokenizer, max_num_seqs=4, max_model_len=256, drafter=drafter, num_speculative_tokens=k,
-                    draft_policy=AdaptiveDraftPolicy(k, cost_model))
-    seqs = [engine.add_request(prompt, params) for prompt in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    return seqs, engine
+    return run(model, tokenizer, prompts, params, drafter, k=k, draft_policy=AdaptiveDraftPolicy(k, cost_model))
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

@@ -39,9 +39,9 @@ def make_drafter(method, make_tiny_model, architecture, k_max_len=256, **overrid
     return DraftModelDrafter(make_tiny_model(architecture, seed=draft_seed, **overrides), max_num_seqs=4, max_model_len=k_max_len)
 
 
-def run(model, tokenizer, prompts, params, drafter=None, k=4, max_num_seqs=4, speculative=True):
+def run(model, tokenizer, prompts, params, drafter=None, k=4, max_num_seqs=4, speculative=True, draft_policy=None):
     engine = Engine(model, tokenizer, max_num_seqs=max_num_seqs, max_model_len=256, drafter=drafter,
-                    num_speculative_tokens=k if drafter else 0)
+                    num_speculative_tokens=k if drafter else 0, draft_policy=draft_policy)
     seqs = [engine.add_request(prompt, params, speculative=speculative) for prompt in prompts]
     while engine.has_unfinished():
         engine.step()
