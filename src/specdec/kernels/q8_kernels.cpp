@@ -568,6 +568,20 @@ inline void pv_tile4_avx(const float* const* p, const float* V, int64_t j0, int6
   }
 }
 
+// Clips the key ranges [a[i], b[i]) of up to 4 pairs to the key block [j0, j1): per pair [lo[i], hi[i]),
+// and [c0, c1) the keys all of them share (empty when c0 >= c1).
+static inline void clip_key_ranges(const int32_t* a, const int32_t* b, int64_t nr, int64_t j0, int64_t j1,
+                                   int64_t* lo, int64_t* hi, int64_t& c0, int64_t& c1) {
+  c0 = j0;
+  c1 = j1;
+  for (int64_t i = 0; i < nr; ++i) {
+    lo[i] = std::max<int64_t>(a[i], j0);
+    hi[i] = std::min<int64_t>(b[i], j1);
+    c0 = std::max(c0, lo[i]);
+    c1 = std::min(c1, hi[i]);
+  }
+}
+
 void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const int32_t* b, float* const* outs,
                    const float* K, const float* V, int64_t D, float scale, int64_t lds, float* scratch) {
   // sb[r] is indexed by the absolute key position: sb[r] + a[r] is the pair's score buffer
@@ -585,13 +599,8 @@ void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const in
     const int64_t j1 = std::min(jhi, j0 + jb);
     for (int64_t r0 = 0; r0 < P; r0 += 4) {
       const int64_t nr = std::min<int64_t>(4, P - r0);
-      int64_t lo[4], hi[4], c0 = j0, c1 = j1;
-      for (int64_t i = 0; i < nr; ++i) {
-        lo[i] = std::max<int64_t>(a[r0 + i], j0);
-        hi[i] = std::min<int64_t>(b[r0 + i], j1);
-        c0 = std::max(c0, lo[i]);
-        c1 = std::min(c1, hi[i]);
-      }
+      int64_t lo[4], hi[4], c0, c1;
+      clip_key_ranges(a + r0, b + r0, nr, j0, j1, lo, hi, c0, c1);
       const bool joint = nr == 4 && c1 - c0 >= 4;
       const int64_t ce = joint ? c0 + (c1 - c0) / 4 * 4 : c0;  // joint keys [c0, ce)
       if (joint) {
@@ -638,13 +647,8 @@ void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const in
     const int64_t j1 = std::min(jhi, j0 + jb);
     for (int64_t r0 = 0; r0 < P; r0 += 4) {
       const int64_t nr = std::min<int64_t>(4, P - r0);
-      int64_t lo[4], hi[4], c0 = j0, c1 = j1;
-      for (int64_t i = 0; i < nr; ++i) {
-        lo[i] = std::max<int64_t>(a[r0 + i], j0);
-        hi[i] = std::min<int64_t>(b[r0 + i], j1);
-        c0 = std::max(c0, lo[i]);
-        c1 = std::min(c1, hi[i]);
-      }
+      int64_t lo[4], hi[4], c0, c1;
+      clip_key_ranges(a + r0, b + r0, nr, j0, j1, lo, hi, c0, c1);
       const bool joint = nr == 4 && c1 - c0 >= 2;
       for (int64_t i = 0; i < nr; ++i) {  // keys before the joint part (or all)
         const int64_t e = joint ? c0 : hi[i];
