@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))  # share the server tests' helpers
-from server_helpers import start_server, tiny_llm  # noqa: E402
+from server_helpers import ngram_tiny_server  # noqa: E402
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -23,12 +23,8 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 @pytest.fixture(scope="session")
 def playground_server(make_tiny_model, tiny_tokenizer):
-    llm = tiny_llm(make_tiny_model, tiny_tokenizer, {"method": "ngram", "num_speculative_tokens": 4,
-                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1})
-    llm.generate([[1, 2, 3]])  # warm-up (kernel build) outside the timed requests
-    running = start_server(llm)
-    yield running
-    running.stop()
+    with ngram_tiny_server(make_tiny_model, tiny_tokenizer) as running:
+        yield running
 
 
 @pytest.fixture

@@ -1,19 +1,15 @@
 """Session-scoped in-process servers on tiny models (ngram drafter, draft-model drafter)."""
 import pytest
 
-from server_helpers import MAX_MODEL_LEN, start_server, tiny_llm
+from server_helpers import MAX_MODEL_LEN, ngram_tiny_server, start_server, tiny_llm
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.engine.engine import Engine
 
 
 @pytest.fixture(scope="session")
 def ngram_server(make_tiny_model, tiny_tokenizer):
-    llm = tiny_llm(make_tiny_model, tiny_tokenizer, {"method": "ngram", "num_speculative_tokens": 4,
-                                                     "prompt_lookup_max": 3, "prompt_lookup_min": 1})
-    llm.generate([[1, 2, 3]])  # warm-up (kernel build) outside the timed requests
-    running = start_server(llm)
-    yield running
-    running.stop()
+    with ngram_tiny_server(make_tiny_model, tiny_tokenizer) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Helpers for the server tests: uvicorn in a thread on a free loopback port (127.0.0.1 only), /metrics parsing."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -76,3 +77,18 @@ def start_server(llm, config: ServerConfig | None = None) -> RunningServer:
 def tiny_llm(make_tiny_model, tiny_tokenizer, speculative_config=None, max_num_seqs=4) -> LLM:
     return LLM(loaded=(make_tiny_model("llama"), tiny_tokenizer), speculative_config=speculative_config,
                max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs)
+
+
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@contextlib.contextmanager
+def ngram_tiny_server(make_tiny_model, tiny_tokenizer):
+    """A running server on the tiny llama model with an n-gram drafter, warmed up outside timed requests."""
+    llm = tiny_llm(make_tiny_model, tiny_tokenizer, NGRAM_CONFIG)
+    llm.generate([[1, 2, 3]])  # warm-up (kernel build)
+    running = start_server(llm)
+    try:
+        yield running
+    finally:
+        running.stop()
