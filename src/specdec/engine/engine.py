@@ -17,7 +17,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
 from specdec.engine.batch import ForwardBatch
-from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy
+from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence, TokenKind, new_sequence
 from specdec.models.tokenizer import Tokenizer
@@ -183,6 +183,8 @@ class Engine:
         done = time.perf_counter()
         step_times = (drafted - start, verified_at - drafted, done - verified_at)
         self._record_times(self.metrics, step_times)
+        self.draft_policy.observe_step(StepCost(len(batch.token_ids), tuple(len(d.token_ids) for d in drafts),
+                                                step_times[0], step_times[1]))
         return [self._commit(seq, draft, result, step_times, logits)
                 for seq, draft, result, logits in zip(seqs, drafts, results, logits_per_seq)]
 
