@@ -70,3 +70,34 @@ def test_qk_norm_rope_rejects_positions_past_the_table():
     qkv, positions, cos, sin = _qkv_case(4, 1, 64)
     with pytest.raises(RuntimeError, match="position out of table"):
         ops.qk_norm_rope(qkv, ops.QKNormRope(4, 1, 64, 1e-6), None, None, cos[:10], sin[:10], positions)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("inter", [2048, 37])
+def test_gated_activation_matches_torch_and_scalar_path(activation, inter):
+    gate_up = torch.randn(5, 2 * inter, generator=_generator(inter)) * 4.0  # [rows, 2 * inter]
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -1e-30])  # saturation and zero
+    out = ops.gated_activation(gate_up, activation)
+    torch.testing.assert_close(out, ops._gated_activation_torch(gate_up, activation), rtol=2e-6, atol=2e-6)
+    ops._set_force_scalar(True)
+    try:
+        assert torch.equal(ops.gated_activation(gate_up, activation), out)  # scalar = AVX-512, lane by lane
+    finally:
+        ops._set_force_scalar(False)
+    for row in range(gate_up.shape[0]):
+        assert torch.equal(ops.gated_activation(gate_up[row : row + 1], activation), out[row : row + 1])
+
+
+def test_gated_activation_rejects_an_unknown_activation():
+    with pytest.raises(RuntimeError, match="activation must be"):
+        ops.gated_activation(torch.randn(2, 8), "relu")
+
+
+def test_autograd_inputs_take_the_differentiable_torch_path():
+    hidden = torch.randn(3, 64, requires_grad=True)
+    weight = torch.rand(64) + 0.5
+    ops.rms_norm(hidden, weight, 1e-6).sum().backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+    gate_up = torch.randn(3, 64, requires_grad=True)
+    ops.gated_activation(gate_up, "silu").sum().backward()
+    assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0

@@ -41,6 +41,7 @@ __all__ = [
     "embedding",
     "rms_norm",
     "qk_norm_rope",
+    "gated_activation",
     "kernels_available",
     "build_kernels",
     "kernel_isa",
@@ -366,13 +367,18 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     """hidden [..., dim] fp32, weight [dim] (the effective multiplier) -> [..., dim].
 
     Each row is normalised on its own with a fixed reduction order (16 lane sums, a fixed tree) on the
-    CPU kernel; the fallback is the usual torch expression.
+    CPU kernel; the fallback (CUDA, no extension, or autograd-tracked inputs) is the usual torch expression.
     """
-    if hidden.is_cpu and hidden.dtype == torch.float32:
+    if hidden.is_cpu and hidden.dtype == torch.float32 and not _needs_grad(hidden, weight):
         ext = _load()
         if ext is not None:
             return ext.rms_norm(hidden, weight, float(eps))
     return _rms_norm_torch(hidden, weight, eps)
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """The kernels have no backward: tensors that autograd tracks (training draft heads) take the torch path."""
+    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
 
 
 def _rms_norm_torch(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -429,3 +435,25 @@ def _qk_norm_rope_torch(qkv, shape: QKNormRope, q_norm, k_norm, cos, sin, positi
         return states * cos_rows + rotated * sin_rows
 
     return rotate(query), rotate(key)
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """gate_up [rows, 2 * inter] (gate, then up) -> act(gate) * up [rows, inter]; activation "silu" or "gelu_tanh".
+
+    The CPU kernel writes both activations as x * sigmoid(z) (GELU-tanh: z = 2·sqrt(2/π)·(x + 0.044715·x³)),
+    vectorised, with the same per-element operations on every path; the fallback is torch's.
+    """
+    if gate_up.is_cpu and gate_up.dtype == torch.float32 and not _needs_grad(gate_up):
+        ext = _load()
+        if ext is not None:
+            return ext.gated_activation(gate_up, activation)
+    return _gated_activation_torch(gate_up, activation)
+
+
+def _gated_activation_torch(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"unknown activation {activation!r}; known: silu, gelu_tanh")

@@ -250,6 +250,26 @@ void attn_row_scalar(const float* q, const float* Kb, const float* Vb, int64_t n
   }
 }
 
+
+// Gated activation of one element: act(gate) * up with act = GELU (tanh form) or SiLU, both written
+// as x * sigmoid(z) = x / (1 + exp(-z)) (GELU-tanh: z = 2 * sqrt(2/pi) * (x + 0.044715 x^3));
+// exp's argument is clamped at 88 so a very negative x gives 0 rather than an overflow.
+constexpr float kGeluC = 0.7978845608028654f;
+constexpr float kGeluA = 0.044715f;
+constexpr float kExpHi = 88.0f;
+
+inline float gated_scalar(float x, float up, bool gelu) {
+  float t;
+  if (gelu) {
+    const float inner = x + kGeluA * (x * x * x);
+    t = -2.0f * (kGeluC * inner);
+  } else {
+    t = -x;
+  }
+  t = std::min(t, kExpHi);
+  return (x / (1.0f + exp_scalar(t))) * up;
+}
+
 }  // namespace
 
 // --------------------------------------------------------------------------
@@ -667,6 +687,26 @@ void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const in
   }
 }
 
+// 16 elements of gated_scalar with the same operations lane by lane.
+inline void gated_row_avx(const float* gate, const float* up, int64_t n, bool gelu, float* out) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_loadu_ps(gate + j);
+    __m512 t;
+    if (gelu) {
+      const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+      const __m512 inner = _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(kGeluA), x3));
+      t = _mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_mul_ps(_mm512_set1_ps(kGeluC), inner));
+    } else {
+      t = _mm512_sub_ps(_mm512_setzero_ps(), x);
+    }
+    t = _mm512_min_ps(t, _mm512_set1_ps(kExpHi));
+    const __m512 act = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16_avx(t)));
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(act, _mm512_loadu_ps(up + j)));
+  }
+  for (; j < n; ++j) out[j] = gated_scalar(gate[j], up[j], gelu);
+}
+
 }  // namespace
 #pragma GCC pop_options
 #endif
@@ -989,6 +1029,40 @@ std::vector<torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, int64_t H, int
   return {query, key};
 }
 
+// gate_up [R, 2 I] (gate first, then up) -> act(gate) * up [R, I]; activation "gelu_tanh" or "silu".
+torch::Tensor gated_activation(const torch::Tensor& gate_up_in, const std::string& activation) {
+  TORCH_CHECK(gate_up_in.dim() == 2 && gate_up_in.scalar_type() == at::kFloat && gate_up_in.size(1) % 2 == 0,
+              "gated_activation: gate_up must be [R, 2 I] fp32");
+  TORCH_CHECK(activation == "gelu_tanh" || activation == "silu",
+              "gated_activation: activation must be 'gelu_tanh' or 'silu', got '", activation, "'");
+  const bool gelu = activation == "gelu_tanh";
+  const torch::Tensor gate_up = gate_up_in.contiguous();
+  const int64_t R = gate_up.size(0), I = gate_up.size(1) / 2;
+  torch::Tensor out = torch::empty({R, I}, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const bool avx = use_avx();
+  auto rows = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* gate = src + r * 2 * I;
+#ifdef SPECDEC_X86
+      if (avx) {
+        gated_row_avx(gate, gate + I, I, gelu, dst + r * I);
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < I; ++j) dst[r * I + j] = gated_scalar(gate[j], gate[I + j], gelu);
+    }
+  };
+  if (R * I < (1 << 16)) {
+    rows(0, R);
+  } else {
+    at::parallel_for(0, R, 1, rows);
+  }
+  (void)avx;
+  return out;
+}
+
 void set_force_scalar(bool v) { g_force_scalar = v; }
 std::string isa() { return use_avx() ? "avx512vnni" : "scalar"; }
 
@@ -999,6 +1073,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "range attention (row invariant)");
   m.def("rms_norm", &rms_norm, "row-wise RMS norm (row invariant)");
   m.def("qk_norm_rope", &qk_norm_rope, "split q/k from fused qkv, optional QK-norm, rotate-half RoPE");
+  m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate_up projection (elementwise)");
   m.def("set_force_scalar", &set_force_scalar);
   m.def("isa", &isa);
   m.def("cpu_has_avx512vnni", &cpu_has_avx512vnni);

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.kernels import QuantizedWeight, embedding, q8_linear, quantize_weight
+from specdec.kernels import gated_activation  # noqa: F401  (re-exported: act(gate) * up of a fused gate_up)
 from specdec.kernels import rms_norm as _rms_norm_kernel
 
 WEIGHT_FORMATS = ("q8", "fp32")
@@ -22,10 +23,6 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return _rms_norm_kernel(hidden, weight, eps)
 
 
-def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    if activation == "silu":
-        return F.silu(gate) * up
-    return F.gelu(gate, approximate="tanh") * up
 
 
 class RotaryTable:
@@ -48,6 +45,15 @@ class RotaryTable:
         if max_position + 1 > self.cos.shape[0]:
             self._grow(max(max_position + 1, 2 * self.cos.shape[0], 1024))
         return self.cos, self.sin
+
+    def apply(self, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """states [tokens, heads, head_dim], positions [tokens] -> rotated states, in differentiable torch ops
+        (the transformer's forward uses the fused `kernels.qk_norm_rope` instead)."""
+        cos, sin = self.tables(int(positions.max()))
+        cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]  # [tokens, 1, head_dim]
+        half = states.shape[-1] // 2
+        rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+        return states * cos + rotated * sin
 
 
 @dataclass(frozen=True)

@@ -147,8 +147,7 @@ class Transformer:
 
     def _mlp(self, layer: DecoderLayer, hidden):
         gate_up = layer.gate_up_proj(rms_norm(hidden, layer.ffn_norm, self.config.rms_norm_eps))  # [rows, 2 * inter]
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = layer.down_proj(gated_activation(gate, up, self.config.activation).contiguous())
+        out = layer.down_proj(gated_activation(gate_up, self.config.activation))  # [rows, hidden]
         if layer.post_ffn_norm is not None:
             out = rms_norm(out, layer.post_ffn_norm, self.config.rms_norm_eps)
         return out
