@@ -222,13 +222,17 @@ void dot_row_scalar(const uint8_t* w, int64_t cs, const int8_t* x, const int32_t
   *y = v;
 }
 
-// scalar attention for one (row, head)
-void attn_row_scalar(const float* q, const float* Kb, const float* Vb, int64_t n, int64_t D, float scale,
-                     float* out, float* sbuf) {
+// scalar attention for one (row, head) over n keys; key j is at cache position key_pos(j) of K / V
+// (which point at position 0 of the (slot, kv head)).  The operation sequence depends only on the
+// keys' order, not on where they are stored: a tree row whose keys are a prefix range plus its
+// ancestors gives bitwise the result of the same keys stored contiguously.
+template <class KeyPos>
+void attn_keys_scalar(const float* q, const float* K, const float* V, int64_t n, KeyPos key_pos, int64_t D,
+                      float scale, float* out, float* sbuf) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     float acc[16] = {0};
-    const float* k = Kb + j * D;
+    const float* k = K + key_pos(j) * D;
     for (int64_t d0 = 0; d0 < D; d0 += 16)
       for (int l = 0; l < 16 && d0 + l < D; ++l) acc[l] = std::fma(q[d0 + l], k[d0 + l], acc[l]);
     const float s = hsum16_scalar(acc) * scale;
@@ -245,9 +249,23 @@ void attn_row_scalar(const float* q, const float* Kb, const float* Vb, int64_t n
   const float sum = hsum16_scalar(ps);
   for (int64_t d = 0; d < D; ++d) {
     float acc = 0.0f;
-    for (int64_t j = 0; j < n; ++j) acc = std::fma(sbuf[j], Vb[j * D + d], acc);
+    for (int64_t j = 0; j < n; ++j) acc = std::fma(sbuf[j], V[key_pos(j) * D + d], acc);
     out[d] = acc / sum;
   }
+}
+
+// scalar attention for one (row, head) over the contiguous keys [a, b)
+void attn_row_scalar(const float* q, const float* K, const float* V, int64_t a, int64_t b, int64_t D, float scale,
+                     float* out, float* sbuf) {
+  attn_keys_scalar(q, K, V, b - a, [a](int64_t j) { return a + j; }, D, scale, out, sbuf);
+}
+
+// scalar attention for one (row, head) over the logical keys [a, b) then extra[0 .. ne)
+void attn_tree_row_scalar(const float* q, const float* K, const float* V, int64_t a, int64_t b, const int32_t* extra,
+                          int64_t ne, int64_t D, float scale, float* out, float* sbuf) {
+  const int64_t np = b - a;
+  attn_keys_scalar(q, K, V, np + ne, [a, np, extra](int64_t j) { return j < np ? a + j : int64_t(extra[j - np]); },
+                   D, scale, out, sbuf);
 }
 
 }  // namespace
@@ -582,6 +600,44 @@ static inline void clip_key_ranges(const int32_t* a, const int32_t* b, int64_t n
   }
 }
 
+// scores s[0 .. n) -> exp(s - max) in place; returns their sum (16-lane partial sums, then hsum16)
+inline float softmax_numerators_avx(float* s, int64_t n) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
+    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, s + j0));
+  }
+  const __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 ps = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(mk, exp16_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j0), mxv)));
+    _mm512_mask_storeu_ps(s + j0, mk, e);
+    ps = _mm512_add_ps(ps, e);
+  }
+  return hsum16_avx(ps);
+}
+
+// One (row, head) pair over the logical key sequence [a, b) then extra[0 .. ne) (cache positions of a
+// tree row's ancestors and itself, in depth order), with the per-key operations of attn_item_avx: each
+// score alone, the same softmax over the logical order, P @ V sequential over the logical order.  So it
+// is bitwise the result attn_item_avx gives when the same keys are stored contiguously.
+// scratch: n + 16 floats of scores, then D accumulators.
+void attn_tree_pair_avx(const float* q, const float* K, const float* V, int64_t a, int64_t b, const int32_t* extra,
+                        int64_t ne, int64_t D, float scale, float* out, int64_t lds, float* scratch) {
+  const int64_t np = b - a;
+  float* s = scratch;
+  float* acc = scratch + lds;
+  scores_one_avx(q, K, a, b, D, scale, s - a);
+  for (int64_t e = 0; e < ne; ++e) scores_avx<1>(q, K + int64_t(extra[e]) * D, D, scale, s + np + e);
+  const float sum = softmax_numerators_avx(s, np + ne);
+  std::fill(acc, acc + D, 0.0f);
+  if (np > 0) pv_avx(s, V + a * D, np, D, acc);
+  for (int64_t e = 0; e < ne; ++e) pv_avx(s + np + e, V + int64_t(extra[e]) * D, 1, D, acc);
+  const __m512 sv = _mm512_set1_ps(sum);
+  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_div_ps(_mm512_loadu_ps(acc + d), sv));
+}
+
 void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const int32_t* b, float* const* outs,
                    const float* K, const float* V, int64_t D, float scale, int64_t lds, float* scratch) {
   // sb[r] is indexed by the absolute key position: sb[r] + a[r] is the pair's score buffer
@@ -624,22 +680,7 @@ void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const in
   // softmax numerators and sums, per pair (same as before)
   std::vector<float> sums(P);
   for (int64_t r = 0; r < P; ++r) {
-    float* s = sb[r] + a[r];
-    const int64_t n = b[r] - a[r];
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
-      mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, s + j0));
-    }
-    const __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 ps = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(mk, exp16_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j0), mxv)));
-      _mm512_mask_storeu_ps(s + j0, mk, e);
-      ps = _mm512_add_ps(ps, e);
-    }
-    sums[r] = hsum16_avx(ps);
+    sums[r] = softmax_numerators_avx(sb[r] + a[r], b[r] - a[r]);
     std::fill(acc[r], acc[r] + D, 0.0f);
   }
   // pass 2: P @ V, per pair sequential over keys in ascending order
@@ -778,7 +819,7 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
 
 torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
                         const torch::Tensor& slots_in, const torch::Tensor& start_in, const torch::Tensor& end_in,
-                        double scale_d) {
+                        double scale_d, const c10::optional<torch::Tensor>& extra_in) {
   TORCH_CHECK(q_in.dim() == 3, "attention: q must be [M, Hq, D]");
   TORCH_CHECK(k_in.dim() == 4 && v_in.dim() == 4, "attention: caches must be [S, Hkv, L, D]");
   TORCH_CHECK(k_in.sizes() == v_in.sizes(), "attention: k_cache and v_cache shapes differ");
@@ -798,11 +839,26 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   const int32_t* sp = slots.data_ptr<int32_t>();
   const int32_t* a = ks.data_ptr<int32_t>();
   const int32_t* b = ke.data_ptr<int32_t>();
+  // extra keys (tree rows): row m then attends [a[m], b[m]) followed by extra[m, 0 .. ne[m]) (cache
+  // positions, the leading non-negative entries of the row; -1 pads)
+  torch::Tensor extra;
+  int64_t E = 0;
+  if (extra_in.has_value() && extra_in->defined()) {
+    extra = i32(*extra_in);
+    TORCH_CHECK(extra.dim() == 2 && extra.size(0) == M, "attention: extra_keys must be [M, E]");
+    E = extra.size(1);
+  }
+  const int32_t* ep = E ? extra.data_ptr<int32_t>() : nullptr;
+  std::vector<int64_t> ne(M, 0);
   int64_t maxn = 0;
   for (int64_t m = 0; m < M; ++m) {
     TORCH_CHECK(sp[m] >= 0 && sp[m] < S, "attention: slot out of range");
     TORCH_CHECK(a[m] >= 0 && b[m] <= Lmax, "attention: key range out of bounds");
-    maxn = std::max<int64_t>(maxn, b[m] - a[m]);
+    while (ne[m] < E && ep[m * E + ne[m]] >= 0) {
+      TORCH_CHECK(ep[m * E + ne[m]] < Lmax, "attention: extra key position out of bounds");
+      ++ne[m];
+    }
+    maxn = std::max<int64_t>(maxn, std::max<int64_t>(0, b[m] - a[m]) + ne[m]);
   }
   auto out = torch::empty({M, Hq, D}, q.options());
   if (M == 0 || Hq == 0) return out;
@@ -822,9 +878,14 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   for (int64_t m = 0; m < M; ++m) order[m] = m;
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return sp[x] < sp[y]; });
   std::vector<int64_t> run_start;  // runs of rows with the same slot and a non-empty range
-  std::vector<int64_t> rows;
+  std::vector<int64_t> rows, tree_rows;
   for (int64_t i = 0; i < M; ++i) {
     const int64_t m = order[i];
+    if (ne[m] > 0) {
+      TORCH_CHECK(b[m] >= a[m], "attention: a row with extra keys needs key_end >= key_start");
+      tree_rows.push_back(m);
+      continue;
+    }
     if (b[m] <= a[m]) {
       std::fill(op + m * Hq * D, op + (m + 1) * Hq * D, 0.0f);
       continue;
@@ -834,7 +895,7 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   }
   run_start.push_back(int64_t(rows.size()));
   const int64_t nruns = int64_t(run_start.size()) - 1;
-  if (nruns <= 0) return out;
+  if (nruns <= 0 && tree_rows.empty()) return out;
   const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
   auto count_items = [&](int64_t cap) {
     int64_t c = 0;
@@ -844,13 +905,15 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   int64_t cap = 32;
   while (cap > 1 && count_items(cap) < nth) cap = (cap + 1) / 2;
   // pairs in item order: run, kv head, rows of the run, heads of the group
-  const int64_t npairs = int64_t(rows.size()) * Hq;
+  const int64_t npairs = int64_t(rows.size() + tree_rows.size()) * Hq;
   std::vector<const float*> pq(npairs);
   std::vector<float*> po(npairs);
   std::vector<int32_t> pa(npairs), pb(npairs);
   struct Item {
     int64_t p0, np;
     const float *K, *V;
+    const int32_t* extra;  // tree item: the row's extra keys (nullptr: a contiguous item)
+    int64_t ne;
   };
   std::vector<Item> items;
   int64_t idx = 0;
@@ -869,12 +932,39 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
       }
       const int64_t base = (slot * Hkv + kvh) * Lmax * D;
       for (int64_t p0 = first; p0 < idx; p0 += cap)
-        items.push_back({p0, std::min(cap, idx - p0), kp + base, vp + base});
+        items.push_back({p0, std::min(cap, idx - p0), kp + base, vp + base, nullptr, 0});
+    }
+  }
+  // tree rows: one item per (row, kv head), each pair computed alone (attn_tree_pair_avx)
+  for (const int64_t m : tree_rows) {
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      const int64_t first = idx;
+      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h, ++idx) {
+        pq[idx] = qp + (m * Hq + h) * D;
+        po[idx] = op + (m * Hq + h) * D;
+        pa[idx] = a[m];
+        pb[idx] = b[m];
+      }
+      const int64_t base = (sp[m] * Hkv + kvh) * Lmax * D;
+      items.push_back({first, group, kp + base, vp + base, ep + m * E, ne[m]});
     }
   }
   const int64_t lds = (maxn + 16 + 15) / 16 * 16;
   auto run_item = [&](const Item& it) {
     thread_local Scratch sbuf_mem;
+    if (it.extra) {
+      float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(lds + D + 16) * 4));
+      for (int64_t r = it.p0; r < it.p0 + it.np; ++r) {
+#ifdef SPECDEC_X86
+        if (avx) {
+          attn_tree_pair_avx(pq[r], it.K, it.V, pa[r], pb[r], it.extra, it.ne, D, scale, po[r], lds, sbuf);
+          continue;
+        }
+#endif
+        attn_tree_row_scalar(pq[r], it.K, it.V, pa[r], pb[r], it.extra, it.ne, D, scale, po[r], sbuf);
+      }
+      return;
+    }
 #ifdef SPECDEC_X86
     if (avx) {
       float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(it.np * (lds + D) + 16) * 4));
@@ -885,8 +975,7 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
 #endif
     float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(lds + 16) * 4));
     for (int64_t r = it.p0; r < it.p0 + it.np; ++r)
-      attn_row_scalar(pq[r], it.K + int64_t(pa[r]) * D, it.V + int64_t(pa[r]) * D, pb[r] - pa[r], D, scale, po[r],
-                      sbuf);
+      attn_row_scalar(pq[r], it.K, it.V, pa[r], pb[r], D, scale, po[r], sbuf);
   };
   const int64_t nitems = int64_t(items.size());
   const int64_t workers = std::min(nth, nitems);
@@ -909,7 +998,9 @@ std::string isa() { return use_avx() ? "avx512vnni" : "scalar"; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "int8 weight x Q8_0 activation linear (row invariant)");
-  m.def("attention", &attention, "range attention (row invariant)");
+  m.def("attention", &attention, "range attention (row invariant), optionally followed by extra keys per row",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("key_start"),
+        py::arg("key_end"), py::arg("scale"), py::arg("extra_keys") = py::none());
   m.def("set_force_scalar", &set_force_scalar);
   m.def("isa", &isa);
   m.def("cpu_has_avx512vnni", &cpu_has_avx512vnni);
