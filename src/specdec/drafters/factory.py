@@ -14,11 +14,12 @@ def build_drafter(config: SpeculativeConfig, target: Transformer, tokenizer: Tok
     if config.method == "ngram":
         from specdec.drafters.ngram import NgramDrafter
 
-        return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
+        return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min, config.num_draft_branches)
     if config.method == "suffix":
         from specdec.drafters.suffix import SuffixDrafter
 
-        return SuffixDrafter(config.suffix_max_depth, config.suffix_min_token_prob, config.suffix_cache_requests)
+        return SuffixDrafter(config.suffix_max_depth, config.suffix_min_token_prob, config.suffix_cache_requests,
+                             config.num_draft_branches)
     if config.method == "draft_model":
         return _build_draft_model(config, target, tokenizer, weight_format, max_model_len, max_num_seqs)
     raise ValueError(f"speculative method {config.method!r} is not implemented yet")
