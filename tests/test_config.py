@@ -69,8 +69,6 @@ def test_speculative_defaults_and_round_trip() -> None:
          "suffix_cache_requests must be >= 0"),
         ({"method": "ngram", "num_speculative_tokens": 4, "num_draft_branches": 0}, "num_draft_branches must be >= 1"),
         ({"method": "suffix", "num_speculative_tokens": 4, "num_draft_branches": 9}, "num_draft_branches must be <= 8"),
-        ({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 4, "num_draft_branches": 2},
-         r"num_draft_branches > 1 \(token trees\) is implemented for ngram, suffix, not for 'draft_model'"),
         ({"method": "ngram"}, "missing required key\\(s\\): num_speculative_tokens"),
         ({"method": 3, "num_speculative_tokens": 4}, "method must be a string, got int"),
     ],

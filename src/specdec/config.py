@@ -11,7 +11,6 @@ SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 METHODS_WITHOUT_DRAFT_MODEL = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_DRAFT_BRANCHES = 8
-TREE_METHODS = ("ngram", "suffix")
 
 
 def _require_int(owner: str, name: str, value: object) -> None:
@@ -100,7 +99,9 @@ class SpeculativeConfig:
           default). The branches are merged by shared prefixes into a token tree that the target verifies
           in one forward; num_speculative_tokens bounds each branch's depth, and the engine caps the
           tree's nodes at the sequence's share of max_verify_tokens rows. Trees are greedy-only: a sampled
-          request (temperature > 0) drafts and verifies one chain, whatever this key. ngram and suffix only.
+          request (temperature > 0) drafts and verifies one chain, whatever this key. Branches: ngram, the
+          continuations of earlier occurrences; suffix, the other continuations of the matched trie path;
+          draft_model, the top-b first tokens, each followed by its greedy chain.
 
     Our keys (suffix drafter only):
       suffix_max_depth: depth limit of the suffix trie = longest context + draft it can match (>= 1).
@@ -144,11 +145,6 @@ class SpeculativeConfig:
         _require_at_least(owner, "num_draft_branches", self.num_draft_branches, 1)
         if self.num_draft_branches > MAX_DRAFT_BRANCHES:
             raise ValueError(f"{owner}.num_draft_branches must be <= {MAX_DRAFT_BRANCHES}, got {self.num_draft_branches}")
-        if self.num_draft_branches > 1 and self.method not in TREE_METHODS:
-            raise ValueError(
-                f"{owner}.num_draft_branches > 1 (token trees) is implemented for {', '.join(TREE_METHODS)}, "
-                f"not for {self.method!r}"
-            )
 
     def _validate_method_and_model(self) -> None:
         if not isinstance(self.method, str):

@@ -6,6 +6,7 @@ import pytest
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.drafters.tree import DraftTree
@@ -20,10 +21,12 @@ TREE_PROMPTS = [
 ]
 
 
-def tree_drafter(method, num_branches=4):
+def tree_drafter(method, num_branches=4, draft_model=None):
     if method == "ngram":
         return NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1, num_branches=num_branches)
-    return SuffixDrafter(max_depth=16, min_token_prob=0.01, cache_requests=8, num_branches=num_branches)
+    if method == "suffix":
+        return SuffixDrafter(max_depth=16, min_token_prob=0.01, cache_requests=8, num_branches=num_branches)
+    return DraftModelDrafter(draft_model, max_num_seqs=4, max_model_len=256, num_branches=num_branches)
 
 
 class CompactionSpy:
@@ -41,16 +44,15 @@ class CompactionSpy:
 
 
 @pytest.mark.parametrize("architecture,overrides", MODELS)
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_tree_output_identical_to_plain(make_tiny_model, tiny_tokenizer, monkeypatch, architecture, overrides,
-                                               method, batch):
+def test_greedy_tree_output_identical_to_plain(make_tiny_model, tiny_tokenizer, architecture, overrides, method, batch):
     model = make_tiny_model(architecture, **overrides)
     params = SamplingParams(max_tokens=40)
     prompts = TREE_PROMPTS[:batch]
     plain, _ = run(model, tiny_tokenizer, prompts, params)
-    spy = CompactionSpy(monkeypatch)
-    spec, engine = run(model, tiny_tokenizer, prompts, params, tree_drafter(method))
+    draft_model = make_tiny_model(architecture, seed=1, **overrides)
+    spec, engine = run(model, tiny_tokenizer, prompts, params, tree_drafter(method, draft_model=draft_model))
     for plain_seq, spec_seq in zip(plain, spec):
         assert spec_seq.output_token_ids == plain_seq.output_token_ids
         assert spec_seq.finish_reason == plain_seq.finish_reason

@@ -62,6 +62,30 @@ class ForwardBatch:
         return cls(as_long(flat_ids), positions, as_long(row_slots), counts, logits_rows.to(device), all_logits,
                    cache_positions, prefix_ends, _tree_keys(flat(3), device))
 
+    @classmethod
+    def from_rows(
+        cls,
+        token_ids: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int]],
+        cache_positions: Sequence[Sequence[int]],
+        prefix_ends: Sequence[Sequence[int]],
+        tree_keys: Sequence[Sequence[Sequence[int]]],
+        slots: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> "ForwardBatch":
+        """Rows given explicitly, per sequence (logits for every row): for a drafter growing a tree over
+        several forwards, whose rows' ancestors were written by earlier forwards."""
+        counts = tuple(len(ids) for ids in token_ids)
+        if any(count == 0 for count in counts):
+            raise ValueError("every sequence in a forward batch needs at least one token")
+        flat = lambda values: [value for seq_values in values for value in seq_values]  # noqa: E731
+        as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        row_slots = [slot for slot, count in zip(slots, counts) for _ in range(count)]
+        return cls(as_long(flat(token_ids)), as_long(flat(positions)), as_long(row_slots), counts,
+                   torch.arange(sum(counts), device=device), True, as_long(flat(cache_positions)),
+                   torch.tensor(flat(prefix_ends), dtype=torch.int32, device=device),
+                   _tree_keys([list(keys) for keys in flat(tree_keys)], device))
+
     def split_logits(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """logits [logit rows, vocab] -> per-sequence [rows_i or 1, vocab]."""
         return list(logits.split(list(self.row_counts) if self.all_logits else 1))
