@@ -5,10 +5,12 @@ their most recent earlier occurrence and propose the tokens that followed it. Th
 of every n-gram is kept in a dict updated as tokens arrive, so a step costs O(max - min + 1) lookups
 instead of a rescan of the sequence.
 
-With num_branches > 1 (greedy token trees) the drafter proposes up to num_branches distinct continuations:
-the chain's continuation first, then those of earlier occurrences (most recent first, longest n first);
-continuations that repeat a prefix of an earlier branch add nothing and are skipped. The index then keeps
-the last 4 * num_branches end positions of every n-gram.
+With num_branches > 1 (greedy token trees) the drafter proposes up to num_branches branches: the chain
+first, then alternatives that leave it: at each depth d of the chain (shallowest first), the n-gram
+ending at sequence + chain[:d] is looked up again and the continuations of its other occurrences (longest
+n first, most recent first) whose first token differs from chain[d] become branches chain[:d] + continuation.
+Branches that repeat a prefix of an earlier branch add nothing and are skipped. The index then keeps the
+last 4 * num_branches end positions of every n-gram.
 """
 from __future__ import annotations
 
@@ -67,22 +69,31 @@ class _NgramIndex:
         return ()
 
     def propose_branches(self, max_tokens: int) -> list[tuple[int, ...]]:
-        """Up to num_branches distinct continuations, the chain's (propose) first."""
-        branches: list[tuple[int, ...]] = []
-        if max_tokens == 0:
-            return branches
-        length = len(self.token_ids)
-        for n in range(min(self.prompt_lookup_max, length), self.prompt_lookup_min - 1, -1):
-            ngram = tuple(self.token_ids[length - n :])
-            latest = self.last_end_by_ngram.get(ngram)
-            ends = [] if latest is None else [latest, *reversed(self.earlier_ends_by_ngram.get(ngram, []))]
-            for end in ends:
-                branch = tuple(self.token_ids[end : min(end + max_tokens, length)])
-                if not any(other[: len(branch)] == branch for other in branches):
+        """Up to num_branches distinct continuations: the chain (propose) first, then the alternatives that
+        leave it at each depth, shallowest first (see the module docstring)."""
+        chain = self.propose(max_tokens)
+        branches = [chain] if chain else []
+        for depth in range(len(chain)):
+            for continuation in self._continuations(chain[:depth], max_tokens - depth):
+                branch = (*chain[:depth], *continuation)
+                if continuation[0] != chain[depth] and not any(other[: len(branch)] == branch for other in branches):
                     branches.append(branch)
                 if len(branches) == self.num_branches:
                     return branches
         return branches
+
+    def _continuations(self, draft_prefix: tuple[int, ...], max_tokens: int):
+        """Continuations of the earlier occurrences of the suffixes of sequence + draft_prefix: longest
+        n-gram first, then most recent first."""
+        length = len(self.token_ids)
+        tail = (*self.token_ids[-self.prompt_lookup_max :], *draft_prefix)
+        for n in range(min(self.prompt_lookup_max, len(tail)), self.prompt_lookup_min - 1, -1):
+            ngram = tail[len(tail) - n :]
+            latest = self.last_end_by_ngram.get(ngram)
+            ends = [] if latest is None else [latest, *reversed(self.earlier_ends_by_ngram.get(ngram, []))]
+            for end in ends:
+                if end < length:
+                    yield tuple(self.token_ids[end : min(end + max_tokens, length)])
 
 
 class NgramDrafter(Drafter):
