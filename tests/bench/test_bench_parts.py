@@ -33,6 +33,16 @@ def test_parse_methods_defaults_and_overrides():
         parse_methods(['ngram:{"k":3}'], "m")
 
 
+def test_parse_methods_per_method_draft_policy():
+    specs = parse_methods(['ngram:{"draft_policy":"fixed","num_speculative_tokens":3,"label":"k3"},ngram'], "m")
+    assert [(spec.label, spec.draft_policy) for spec in specs] == [("none", None), ("k3", "fixed"), ("ngram", None)]
+    assert "draft_policy" not in specs[1].config
+    with pytest.raises(ValueError, match="unknown draft_policy 'greedy'"):
+        parse_methods(['ngram:{"draft_policy":"greedy"}'], "m")
+    with pytest.raises(ValueError, match="method 'none' takes no speculative config"):
+        parse_methods(['none:{"draft_policy":"fixed"}'], "m")
+
+
 def test_load_questions_formats_categories_and_limit(tmp_path):
     path = tmp_path / "mixed.jsonl"
     rows = [{"question_id": i, "category": "qa" if i % 2 else "rag", "turns": [f"q{i}"]} for i in range(6)]

@@ -4,8 +4,8 @@ import pytest
 
 from specdec.config import SamplingParams
 from specdec.engine.adaptive import AcceptanceEstimate, AdaptiveDraftPolicy, build_draft_policy
-from specdec.engine.cost_model import CostModel, ForwardCosts
-from specdec.engine.draft_policy import BatchDraftPolicy
+from specdec.engine.cost_model import CostCalibration, CostModel, DrafterCost, ForwardCosts
+from specdec.engine.draft_policy import BatchDraftPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import new_sequence
 
@@ -123,3 +123,64 @@ def test_adaptive_drafts_less_than_fixed_when_drafts_miss(make_tiny_model, tiny_
                                CPU_LIKE)
     assert fixed.metrics.acceptance_rate < 0.05  # a random draft model: its drafts (almost) never hit
     assert adaptive.metrics.drafted_tokens < fixed.metrics.drafted_tokens / 4
+
+
+def test_calibration_scales_the_target_and_measures_the_drafter():
+    base = CostModel(ForwardCosts.linear(0.010, 0.05), DrafterCost(per_token_s=0.001, batched=True))
+    calibration = CostCalibration(weight=0.5)
+    calibration.observe(base, rows=3, draft_lengths=(2, 1), draft_s=0.008, target_s=0.022)
+    calibrated = calibration.apply(base)
+    assert calibrated.forward(3) == pytest.approx(0.022)  # measured level, profiled shape
+    assert calibrated.forward(1) == pytest.approx(0.020)
+    assert calibrated.drafter((2, 1)) == pytest.approx(0.008)  # batched: max k = 2 tokens at 0.004 s
+    calibration.observe(base, rows=1, draft_lengths=(0,), draft_s=0.0, target_s=0.010)  # no draft: drafter unchanged
+    assert calibration.draft_per_token_s == pytest.approx(0.004)
+    assert calibration.target_scale == pytest.approx(1.5)
+
+
+def test_measured_expensive_drafter_turns_speculation_off(tiny_tokenizer):
+    policy = AdaptiveDraftPolicy(4, CostModel(ForwardCosts.linear(0.010, 0.0)), reprobe_interval=1000)
+    seq = make_seq(tiny_tokenizer)
+    lengths = []
+    for _ in range(20):
+        k = step(policy, [seq], [1])[0]  # the first draft token always hits, the second never
+        lengths.append(k)
+        policy.observe_step(StepCost(1 + k, (k,), draft_s=0.030 * k, target_s=0.010))  # 3 decode steps per token
+    assert lengths[0] > 0 and lengths[-1] == 0
+
+
+def test_measured_cheap_drafter_keeps_drafting(tiny_tokenizer):
+    policy = AdaptiveDraftPolicy(4, CostModel(ForwardCosts.linear(0.010, 0.0)), reprobe_interval=1000)
+    seq = make_seq(tiny_tokenizer)
+    lengths = []
+    for _ in range(20):
+        k = step(policy, [seq], [1])[0]
+        lengths.append(k)
+        policy.observe_step(StepCost(1 + k, (k,), draft_s=0.0002 * k, target_s=0.010))
+    assert lengths[-1] >= 1
+
+
+class RecordingPolicy(BatchDraftPolicy):
+    def __init__(self, k):
+        super().__init__(k)
+        object.__setattr__(self, "costs", [])
+
+    def observe_step(self, cost):
+        self.costs.append(cost)
+
+
+def test_engine_reports_each_decode_step_cost(make_tiny_model, tiny_tokenizer):
+    from specdec.engine.engine import Engine
+
+    model = make_tiny_model("llama")
+    policy = RecordingPolicy(3)
+    engine = Engine(model, tiny_tokenizer, drafter=make_drafter("ngram", make_tiny_model, "llama"), num_speculative_tokens=3,
+                    draft_policy=policy)
+    for prompt in PROMPTS[:2]:
+        engine.add_request(list(prompt), SamplingParams(max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert policy.costs
+    for cost in policy.costs:
+        assert cost.rows == len(cost.draft_lengths) + sum(cost.draft_lengths)
+        assert cost.target_s > 0 and cost.draft_s >= 0

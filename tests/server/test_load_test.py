@@ -13,7 +13,7 @@ def test_load_test_against_tiny_server(ngram_server, tmp_path, capsys):
     output = tmp_path / "report.json"
     code = load_test.main(["--url", ngram_server.url, "--concurrency", "1,4", "--prompts", str(prompts),
                            "--category", "summarization", "--max-tokens", "16", "--requests", "6",
-                           "--output", str(output)])
+                           "--rss-interval", "0.01", "--output", str(output)])
     report = json.loads(output.read_text())
     assert code == 0 and report["errors"] == 0 and report["malformed"] == 0
     assert [level["concurrency"] for level in report["levels"]] == [1, 4]
@@ -21,6 +21,7 @@ def test_load_test_against_tiny_server(ngram_server, tmp_path, capsys):
         assert level["requests"] == 6 and level["output_tok_s"] > 0
         assert 0 < level["ttft_p50_s"] <= level["ttft_p95_s"] and level["latency_p50_s"] <= level["latency_p95_s"]
         assert level["server_rss_mb"] > 1 and level["acceptance_rate"] is not None
+        assert level["server_rss_samples_mb"] and min(level["server_rss_samples_mb"]) > 1
     assert "tok/s" in capsys.readouterr().out
 
 
@@ -32,3 +33,8 @@ def test_load_test_counts_errors(ngram_server, tmp_path):
                            "--category", "x", "--max-tokens", "8", "--requests", "2", "--output", str(output)])
     report = json.loads(output.read_text())
     assert code == 1 and report["errors"] == 2 and "HTTP 400" in report["levels"][0]["error_samples"][0]
+
+
+def test_rss_growth_compares_the_last_quarter_with_the_second():
+    assert load_test.rss_growth_mb([100.0] * 7) is None  # too few samples
+    assert load_test.rss_growth_mb([50.0, 50.0] + [100.0] * 4 + [110.0] * 2) == 10.0  # warm-up quarter ignored

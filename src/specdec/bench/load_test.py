@@ -50,9 +50,11 @@ class LevelReport:
     latency_p50_s: float | None
     latency_p95_s: float | None
     server_rss_mb: float | None
+    server_rss_growth_mb: float | None  # mean RSS of the level's last quarter minus its second quarter (soak)
     acceptance_rate: float | None  # accepted / drafted during this level, from /metrics
     mean_accepted_length: float | None
     error_samples: list[str] = field(default_factory=list)
+    server_rss_samples_mb: list[float] = field(default_factory=list)  # sampled every --rss-interval seconds
 
 
 def load_prompts(path: str, category: str | None) -> list[str]:
@@ -135,12 +137,57 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
     return results, time.perf_counter() - start
 
 
+async def sample_rss(url: str, interval_s: float, samples_mb: list[float], stop: asyncio.Event) -> None:
+    """Appends the server's resident memory (MB, from /metrics) every interval until stopped."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        while not stop.is_set():
+            try:
+                text = (await client.get(url + "/metrics")).text
+                value = parse_samples(text).get("process_resident_memory_bytes")
+                if value:
+                    samples_mb.append(value / 2**20)
+            except httpx.HTTPError:
+                pass
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def run_level_sampled(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
+                            num_requests: int, duration_s: float | None, headers: dict[str, str], timeout_s: float,
+                            rss_interval_s: float) -> tuple[list[RequestResult], float, list[float]]:
+    samples_mb: list[float] = []
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_rss(url, rss_interval_s, samples_mb, stop))
+    try:
+        results, wall_s = await run_level(url, model, prompts, concurrency, max_tokens, num_requests, duration_s,
+                                          headers, timeout_s)
+    finally:
+        stop.set()
+        await sampler
+    return results, wall_s, samples_mb
+
+
+def rss_growth_mb(samples_mb: list[float]) -> float | None:
+    """Mean of the last quarter minus mean of the second quarter (the first quarter is warm-up)."""
+    if len(samples_mb) < 8:
+        return None
+    quarter = len(samples_mb) // 4
+    second, last = samples_mb[quarter : 2 * quarter], samples_mb[-quarter:]
+    return sum(last) / len(last) - sum(second) / len(second)
+
+
 def scrape(url: str) -> dict[str, float]:
     """Unlabelled samples of /metrics ({} when the server has none)."""
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
+    return parse_samples(text)
+
+
+def parse_samples(text: str) -> dict[str, float]:
     samples = {}
     for line in text.splitlines():
         if line and not line.startswith("#") and "{" not in line:
@@ -152,7 +199,8 @@ def scrape(url: str) -> dict[str, float]:
     return samples
 
 
-def summarize(concurrency: int, results: list[RequestResult], wall_s: float, before: dict, after: dict) -> LevelReport:
+def summarize(concurrency: int, results: list[RequestResult], wall_s: float, before: dict, after: dict,
+              rss_samples_mb: list[float] | None = None) -> LevelReport:
     ok = [r for r in results if r.ok]
     tokens = sum(r.completion_tokens for r in ok)
     drafted = after.get(SPEC_COUNTERS[1], 0) - before.get(SPEC_COUNTERS[1], 0)
@@ -167,9 +215,11 @@ def summarize(concurrency: int, results: list[RequestResult], wall_s: float, bef
         latency_p50_s=percentile([r.latency_s for r in ok], 0.5),
         latency_p95_s=percentile([r.latency_s for r in ok], 0.95),
         server_rss_mb=rss / 2**20 if rss else None,
+        server_rss_growth_mb=rss_growth_mb(rss_samples_mb or []),
         acceptance_rate=accepted / drafted if drafted else None,
         mean_accepted_length=1 + accepted / steps if steps else None,
         error_samples=sorted({r.error for r in results if r.error})[:5],
+        server_rss_samples_mb=[round(v, 1) for v in rss_samples_mb or []],
     )
 
 
@@ -181,14 +231,15 @@ def format_table(reports: list[LevelReport]) -> str:
         return "-" if value is None else format(value, fmt)
 
     header = (f"{'conc':>4} {'reqs':>5} {'err':>4} {'bad':>4} {'tok/s':>8} {'ttft p50':>9} {'ttft p95':>9} "
-              f"{'lat p50':>8} {'lat p95':>8} {'alpha':>6} {'tau':>5} {'rss MB':>7}")
+              f"{'lat p50':>8} {'lat p95':>8} {'alpha':>6} {'tau':>5} {'rss MB':>7} {'rss +MB':>7}")
     rows = [header, "-" * len(header)]
     for r in reports:
         rows.append(f"{r.concurrency:>4} {r.requests:>5} {r.errors:>4} {r.malformed:>4} {r.output_tok_s:>8.1f} "
                     f"{ms(r.ttft_p50_s):>9} {ms(r.ttft_p95_s):>9} {ms(r.latency_p50_s):>8} {ms(r.latency_p95_s):>8} "
                     f"{num(r.acceptance_rate, '.2f'):>6} {num(r.mean_accepted_length, '.2f'):>5} "
-                    f"{num(r.server_rss_mb, '.0f'):>7}")
-    return "\n".join(rows) + "\n(times in ms; tok/s = completion tokens / wall time of the level)"
+                    f"{num(r.server_rss_mb, '.0f'):>7} {num(r.server_rss_growth_mb, '+.1f'):>7}")
+    return "\n".join(rows) + ("\n(times in ms; tok/s = completion tokens / wall time of the level; rss +MB = mean RSS of "
+                              "the level's last quarter minus its second quarter, shown with >= 8 samples)")
 
 
 def served_model(url: str, headers: dict[str, str]) -> str:
@@ -210,6 +261,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     parser.add_argument("--output", default="load_test.json", help="JSON report path")
+    parser.add_argument("--rss-interval", type=float, default=5.0,
+                        help="seconds between samples of the server's resident memory during each level")
     return parser.parse_args(argv)
 
 
@@ -221,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     for concurrency in [int(c) for c in args.concurrency.split(",") if c.strip()]:
         before = scrape(args.url)
-        results, wall_s = asyncio.run(run_level(args.url, model, prompts, concurrency, args.max_tokens,
-                                                max(concurrency, args.requests), args.duration, headers, args.timeout))
-        reports.append(summarize(concurrency, results, wall_s, before, scrape(args.url)))
+        results, wall_s, rss_samples_mb = asyncio.run(run_level_sampled(
+            args.url, model, prompts, concurrency, args.max_tokens, max(concurrency, args.requests), args.duration,
+            headers, args.timeout, args.rss_interval))
+        reports.append(summarize(concurrency, results, wall_s, before, scrape(args.url), rss_samples_mb))
         print(f"[concurrency {concurrency}: {len(results)} requests in {wall_s:.1f} s]", file=sys.stderr)
     print(format_table(reports))
     report = {"url": args.url, "model": model, "category": args.category, "max_tokens": args.max_tokens,

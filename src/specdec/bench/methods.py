@@ -34,6 +34,7 @@ class MethodSpec:
     label: str
     method: str
     config: dict[str, Any] | None = None
+    draft_policy: str | None = None  # "adaptive" | "fixed"; None: the run's --draft-policy
 
 
 @dataclass
@@ -97,7 +98,9 @@ def parse_methods(texts: list[str], target: str) -> list[MethodSpec]:
     """Method specs from ``--methods`` values; ``none`` is added first when absent (it is the reference).
 
     Each item is ``name`` or ``name:{json}``; the JSON overrides the method's default speculative config and
-    may carry a ``"label"`` for the row name (default: the name, ``name-2`` etc. for repeats).
+    may carry a ``"label"`` for the row name (default: the name, ``name-2`` etc. for repeats) and a
+    ``"draft_policy"`` ("adaptive" or "fixed") overriding the run's --draft-policy for this method, so that
+    adaptive k and fixed k are measured side by side in one run.
     """
     items = [item for text in texts for item in split_methods(text)]
     specs: list[MethodSpec] = []
@@ -116,17 +119,22 @@ def _method_spec(name: str, config_text: str, target: str, taken_labels: list[st
     label = str(overrides.pop("label", "") or _free_label(name, taken_labels))
     if label in taken_labels:
         raise ValueError(f"two benchmark methods share the label {label!r}")
+    draft_policy = overrides.pop("draft_policy", None)
     if name == REFERENCE_METHOD:
-        if overrides:
-            raise ValueError(f"method 'none' takes no speculative config, got {overrides}")
+        if overrides or draft_policy is not None:
+            raise ValueError(f"method 'none' takes no speculative config, got {overrides or {'draft_policy': draft_policy}}")
         return MethodSpec(label, name)
+    from specdec.engine.adaptive import DRAFT_POLICIES
+
+    if draft_policy is not None and draft_policy not in DRAFT_POLICIES:
+        raise ValueError(f"unknown draft_policy {draft_policy!r} for method {label!r}; known: {', '.join(DRAFT_POLICIES)}")
     config = {"method": name, **DEFAULT_METHOD_CONFIGS[name], **overrides}
     if name == "draft_model" and "model" not in config:
         config["model"] = default_draft(target)
     from specdec.config import SpeculativeConfig
 
     SpeculativeConfig.from_dict(config)  # validate now, with the config's own error messages
-    return MethodSpec(label, name, config)
+    return MethodSpec(label, name, config, draft_policy)
 
 
 def _config_overrides(name: str, config_text: str) -> dict[str, Any]:
@@ -183,8 +191,10 @@ class SpecdecRunner(Runner):
         self.label = spec.label
         self.reference = None if spec.method == REFERENCE_METHOD else REFERENCE_METHOD
         self.strict = True
+        self.draft_policy = spec.draft_policy or draft_policy
         self.llm = LLM(loaded=loaded, speculative_config=spec.config, weight_format=weight_format,
-                       max_model_len=max_model_len, max_num_seqs=1, device=device, draft_policy=draft_policy)
+                       max_model_len=max_model_len, max_num_seqs=1, device=device,
+                       draft_policy=self.draft_policy)
 
     def generate(self, prompt_token_ids: list[int], max_new_tokens: int) -> Generation:
         import time
@@ -209,4 +219,4 @@ class SpecdecRunner(Runner):
 
     def describe(self) -> dict[str, Any]:
         return {"label": self.label, "family": self.family, "method": self.spec.method, "config": self.spec.config,
-                "reference": self.reference}
+                "draft_policy": self.draft_policy if self.spec.config else None, "reference": self.reference}

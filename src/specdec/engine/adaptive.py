@@ -7,14 +7,18 @@ and is updated from the request's own `SpecDecodeMetrics` after every verify ste
 splits the step's row budget (the knee of T(n)) over the batch so that expected tokens per second is largest;
 a request may get k = 0. A request held at k = 0 for `reprobe_interval` steps drafts one token once (a probe),
 so a request whose drafts start hitting later (a repeated passage, code) climbs back.
+
+The cost model's levels follow what the engine measures (`observe_step`, `CostCalibration`): the target's
+seconds per forward and the drafter's seconds per drafted token, so an expensive drafter (a draft model on a
+slow machine) is switched off by its measured cost, not by an estimate.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence as SequenceOf
 
-from specdec.engine.cost_model import CostModel
-from specdec.engine.draft_policy import DraftLengthPolicy
+from specdec.engine.cost_model import CostCalibration, CostModel
+from specdec.engine.draft_policy import DraftLengthPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence
 
@@ -78,7 +82,9 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         if reprobe_interval < 1:
             raise ValueError(f"reprobe_interval must be >= 1, got {reprobe_interval}")
         self.max_draft_tokens = max_draft_tokens
-        self.cost_model = cost_model or CostModel.fallback(max_verify_tokens)
+        self.base_cost_model = cost_model or CostModel.fallback(max_verify_tokens)
+        self.cost_model = self.base_cost_model  # with measured levels once steps are observed
+        self.calibration = CostCalibration()
         self.max_rows = min(self.cost_model.max_rows, max_verify_tokens)
         self.prior_alpha = prior_alpha
         self.ema_weight = ema_weight
@@ -93,6 +99,11 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
             self._estimates[seq.request_id] = entry
         entry[1].update(seq.metrics)
         return entry[1]
+
+    def observe_step(self, cost: StepCost) -> None:
+        """Folds the step's measured target and drafter seconds into the cost model (see CostCalibration)."""
+        self.calibration.observe(self.base_cost_model, cost.rows, cost.draft_lengths, cost.draft_s, cost.target_s)
+        self.cost_model = self.calibration.apply(self.base_cost_model)
 
     def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int) -> list[int]:
         estimates = [self.estimate(seq) for seq in seqs]

@@ -180,6 +180,44 @@ class CostModel:
         return best
 
 
+@dataclass
+class CostCalibration:
+    """Corrects a CostModel with the costs the engine actually measures, step by step.
+
+    The profile's T(n) gives the shape of the target's cost over row counts, but its level drifts (another
+    process on the cores, a thermal state, a stale profile), and the drafter's cost is only estimated until a
+    step is timed. Both matter only relative to each other: the best k depends on draft cost / target cost.
+    So we keep exponential moving averages of
+      target_scale = measured target seconds / T(rows)          (over every decode step)
+      per_token_s  = measured drafter seconds / drafted tokens   (max k for a batched drafter, sum k otherwise)
+    and plan with T'(n) = target_scale · T(n) and draft cost per_token_s per token.
+    """
+
+    weight: float = 0.2  # EMA weight of one step
+    target_scale: float | None = None
+    draft_per_token_s: float | None = None
+
+    def observe(self, base: CostModel, rows: int, draft_lengths: SequenceOf[int], draft_s: float, target_s: float) -> None:
+        if target_s > 0:
+            self.target_scale = self._average(self.target_scale, target_s / base.forward(rows))
+        drafted = (max(draft_lengths) if base.drafter.batched else sum(draft_lengths)) if draft_lengths else 0
+        if drafted > 0 and draft_s >= 0:
+            self.draft_per_token_s = self._average(self.draft_per_token_s, draft_s / drafted)
+
+    def _average(self, current: float | None, value: float) -> float:
+        return value if current is None else (1 - self.weight) * current + self.weight * value
+
+    def apply(self, base: CostModel) -> CostModel:
+        """The base model with measured levels (unchanged until something was measured)."""
+        forward = base.forward
+        if self.target_scale is not None:
+            forward = ForwardCosts(tuple(seconds * self.target_scale for seconds in base.forward.seconds))
+        drafter = base.drafter
+        if self.draft_per_token_s is not None:
+            drafter = DrafterCost(per_token_s=self.draft_per_token_s, per_step_s=0.0, batched=base.drafter.batched)
+        return dataclasses.replace(base, forward=forward, drafter=drafter)
+
+
 # ---- measuring and caching --------------------------------------------------------------------------------
 def measure_forward_costs(model, max_rows: int = MAX_PROFILE_ROWS, context: int = 128, repeats: int = 3) -> ForwardCosts:
     """Median seconds of one forward of n new tokens of one sequence after `context` cached tokens, n = 1..max_rows.

@@ -8,7 +8,20 @@ from typing import Sequence as SequenceOf
 from specdec.engine.sequence import Sequence
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """What one decode step measurably cost (the engine reports it after every step)."""
+
+    rows: int  # target rows verified: every sequence's last token + all draft tokens
+    draft_lengths: tuple[int, ...]  # the draft length each speculating sequence got
+    draft_s: float  # seconds in the drafter
+    target_s: float  # seconds in the target forward
+
+
 class DraftLengthPolicy(ABC):
+    def observe_step(self, cost: StepCost) -> None:
+        """Policies that plan with measured costs learn from each step here; fixed policies need nothing."""
+
     @abstractmethod
     def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int) -> list[int]:
         """Draft length per speculating sequence; batch_size counts every sequence in the step.

@@ -24,7 +24,7 @@ from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.tree import DraftTree
 from specdec.engine.batch import ForwardBatch
-from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy
+from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence, TokenKind, new_sequence
 from specdec.models.tokenizer import Tokenizer
@@ -195,6 +195,8 @@ class Engine:
         done = time.perf_counter()
         step_times = (drafted - start, verified_at - drafted, done - verified_at)
         self._record_times(self.metrics, step_times)
+        self.draft_policy.observe_step(StepCost(len(batch.token_ids), tuple(len(d.token_ids) for d in drafts),
+                                                step_times[0], step_times[1]))
         return [self._commit(seq, result, step_times, _emitted_logits(result, logits))
                 for seq, result, logits in zip(seqs, results, logits_per_seq)]
 

@@ -1,6 +1,7 @@
 """Row-invariant CPU kernels (int8 linear, range attention); see ops.py."""
 
 from specdec.kernels.ops import (
+    QKNormRope,
     QuantizedWeight,
     attention,
     build_kernels,
@@ -8,10 +9,13 @@ from specdec.kernels.ops import (
     kernel_isa,
     kernels_available,
     q8_linear,
+    qk_norm_rope,
     quantize_weight,
+    rms_norm,
 )
 
 __all__ = [
+    "QKNormRope",
     "QuantizedWeight",
     "attention",
     "build_kernels",
@@ -19,5 +23,7 @@ __all__ = [
     "kernel_isa",
     "kernels_available",
     "q8_linear",
+    "qk_norm_rope",
     "quantize_weight",
+    "rms_norm",
 ]

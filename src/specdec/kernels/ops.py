@@ -39,6 +39,8 @@ __all__ = [
     "q8_linear",
     "attention",
     "embedding",
+    "rms_norm",
+    "qk_norm_rope",
     "kernels_available",
     "build_kernels",
     "kernel_isa",
@@ -365,3 +367,72 @@ def embedding(token_ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     ids = token_ids.reshape(-1).to(device=weight.qweight.device, dtype=torch.long)
     rows = weight.int8(ids).to(torch.float32) * weight._scales(ids)
     return rows.view(*token_ids.shape, weight.in_features)
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """hidden [..., dim] fp32, weight [dim] (the effective multiplier) -> [..., dim].
+
+    Each row is normalised on its own with a fixed reduction order (16 lane sums, a fixed tree) on the
+    CPU kernel; the fallback is the usual torch expression.
+    """
+    if hidden.is_cpu and hidden.dtype == torch.float32:
+        ext = _load()
+        if ext is not None:
+            return ext.rms_norm(hidden, weight, float(eps))
+    return _rms_norm_torch(hidden, weight, eps)
+
+
+def _rms_norm_torch(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return hidden * torch.rsqrt(variance + eps) * weight
+
+
+@dataclass(frozen=True)
+class QKNormRope:
+    """The fixed shape of one attention layer's query/key preparation."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    shape: QKNormRope,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [tokens, (H + 2 Hkv) * D] -> (query [tokens, H, D], key [tokens, Hkv, D]).
+
+    Splits query and key off the fused projection, applies the optional per-head RMS norm (QK-norm) and
+    rotate-half RoPE at ``positions`` [tokens] from the tables ``cos``, ``sin`` [max positions, D], in
+    one call on the CPU kernel (each token x head row on its own, row invariant).
+    """
+    if qkv.is_cpu and qkv.dtype == torch.float32:
+        ext = _load()
+        if ext is not None:
+            query, key = ext.qk_norm_rope(qkv, shape.num_heads, shape.num_kv_heads, shape.head_dim, q_norm, k_norm,
+                                          float(shape.eps), cos, sin, positions)
+            return query, key
+    return _qk_norm_rope_torch(qkv, shape, q_norm, k_norm, cos, sin, positions)
+
+
+def _qk_norm_rope_torch(qkv, shape: QKNormRope, q_norm, k_norm, cos, sin, positions):
+    tokens, heads, kv_heads, dim = qkv.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
+    query = qkv[:, : heads * dim].reshape(tokens, heads, dim)
+    key = qkv[:, heads * dim : (heads + kv_heads) * dim].reshape(tokens, kv_heads, dim)
+    if q_norm is not None:
+        query = _rms_norm_torch(query, q_norm, shape.eps)
+        key = _rms_norm_torch(key, k_norm, shape.eps)
+    cos_rows, sin_rows = cos[positions][:, None, :], sin[positions][:, None, :]  # [tokens, 1, D]
+
+    def rotate(states: torch.Tensor) -> torch.Tensor:
+        half = dim // 2
+        rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+        return states * cos_rows + rotated * sin_rows
+
+    return rotate(query), rotate(key)

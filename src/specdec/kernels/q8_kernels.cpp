@@ -991,6 +991,93 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   return out;
 }
 
+// --------------------------------------------------------------------------
+// row-wise norm and rotary embedding: each row (token, or token x head) is computed
+// on its own with a fixed operation order, so they are row invariant like the rest.
+
+// One RMS norm row: 16 lane sums of squares (lane l takes elements l, l+16, ...),
+// the fixed hsum16 tree, then out = (x * rsqrt(mean + eps)) * w.
+inline void rms_norm_row(const float* x, const float* w, int64_t D, float eps, float* out) {
+  float acc[16] = {0};
+  for (int64_t j0 = 0; j0 < D; j0 += 16)
+    for (int l = 0; l < 16 && j0 + l < D; ++l) acc[l] = acc[l] + x[j0 + l] * x[j0 + l];
+  const float mean = hsum16_scalar(acc) / static_cast<float>(D);
+  const float r = 1.0f / std::sqrt(mean + eps);
+  for (int64_t j = 0; j < D; ++j) out[j] = (x[j] * r) * w[j];
+}
+
+// Rotate-half RoPE of one head row: out = x * cos + rotate_half(x) * sin (products rounded
+// separately, as torch computes it).
+inline void rope_row(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t j = 0; j < half; ++j) out[j] = x[j] * cos[j] + (-x[j + half]) * sin[j];
+  for (int64_t j = half; j < D; ++j) out[j] = x[j] * cos[j] + x[j - half] * sin[j];
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "rms_norm: fp32 only");
+  const int64_t D = x_in.size(-1);
+  TORCH_CHECK(w_in.numel() == D, "rms_norm: weight must be [", D, "]");
+  const torch::Tensor x = x_in.contiguous();
+  const torch::Tensor w = w_in.contiguous();
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t R = D ? x.numel() / D : 0;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  for (int64_t r = 0; r < R; ++r) rms_norm_row(xp + r * D, wp, D, e, op + r * D);
+  return out;
+}
+
+// qkv [T, (H + 2 Hkv) * D] (last dim contiguous) -> query [T, H, D], key [T, Hkv, D]:
+// optional per-head RMS norm (Gemma 3 QK-norm), then RoPE at positions [T] from the
+// tables cos, sin [P, D].
+std::vector<torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, int64_t H, int64_t Hkv, int64_t D,
+                                        const c10::optional<torch::Tensor>& q_norm,
+                                        const c10::optional<torch::Tensor>& k_norm, double eps,
+                                        const torch::Tensor& cos_in, const torch::Tensor& sin_in,
+                                        const torch::Tensor& positions_in) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1,
+              "qk_norm_rope: qkv must be [T, (H + 2 Hkv) * D] fp32 with a contiguous last dim");
+  TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "qk_norm_rope: qkv width ", qkv.size(1), " != (H + 2 Hkv) * D");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "qk_norm_rope: give both q_norm and k_norm or neither");
+  const torch::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const torch::Tensor positions = positions_in.to(at::kLong).contiguous();
+  const int64_t T = qkv.size(0), P = cos.size(0);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes(), "qk_norm_rope: tables must be [P, D]");
+  TORCH_CHECK(positions.numel() == T, "qk_norm_rope: positions must be [T]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "qk_norm_rope: position out of table");
+  torch::Tensor query = torch::empty({T, H, D}, qkv.options());
+  torch::Tensor key = torch::empty({T, Hkv, D}, qkv.options());
+  torch::Tensor qn, kn;
+  if (q_norm.has_value()) {
+    qn = q_norm->contiguous();
+    kn = k_norm->contiguous();
+    TORCH_CHECK(qn.numel() == D && kn.numel() == D, "qk_norm_rope: norms must be [D]");
+  }
+  const float* src = qkv.data_ptr<float>();
+  const int64_t lds = qkv.stride(0);
+  const float e = static_cast<float>(eps);
+  std::vector<float> normed(D);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos.data_ptr<float>() + pos[t] * D;
+    const float* s = sin.data_ptr<float>() + pos[t] * D;
+    for (int64_t h = 0; h < H + Hkv; ++h) {
+      const float* x = src + t * lds + h * D;
+      const bool is_q = h < H;
+      if (qn.defined()) {
+        rms_norm_row(x, (is_q ? qn : kn).data_ptr<float>(), D, e, normed.data());
+        x = normed.data();
+      }
+      float* out = is_q ? query.data_ptr<float>() + (t * H + h) * D : key.data_ptr<float>() + (t * Hkv + h - H) * D;
+      rope_row(x, c, s, D, out);
+    }
+  }
+  return {query, key};
+}
+
 void set_force_scalar(bool v) { g_force_scalar = v; }
 std::string isa() { return use_avx() ? "avx512vnni" : "scalar"; }
 
@@ -1001,6 +1088,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "range attention (row invariant), optionally followed by extra keys per row",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("key_start"),
         py::arg("key_end"), py::arg("scale"), py::arg("extra_keys") = py::none());
+  m.def("rms_norm", &rms_norm, "row-wise RMS norm (row invariant)");
+  m.def("qk_norm_rope", &qk_norm_rope, "split q/k from fused qkv, optional QK-norm, rotate-half RoPE");
   m.def("set_force_scalar", &set_force_scalar);
   m.def("isa", &isa);
   m.def("cpu_has_avx512vnni", &cpu_has_avx512vnni);

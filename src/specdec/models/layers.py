@@ -12,14 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from specdec.kernels import QuantizedWeight, embedding, q8_linear, quantize_weight
+from specdec.kernels import rms_norm as _rms_norm_kernel
 
 WEIGHT_FORMATS = ("q8", "fp32")
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """hidden [..., dim] fp32, weight [dim] (effective multiplier) -> [..., dim]."""
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    return hidden * torch.rsqrt(variance + eps) * weight
+    return _rms_norm_kernel(hidden, weight, eps)
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -43,16 +43,11 @@ class RotaryTable:
         angles = torch.cat((freqs, freqs), dim=-1)  # [length, head_dim]
         self.cos, self.sin = angles.cos(), angles.sin()
 
-    def apply(self, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """states [tokens, heads, head_dim], positions [tokens] -> rotated states."""
-        needed = int(positions.max()) + 1
-        if needed > self.cos.shape[0]:
-            self._grow(max(needed, 2 * self.cos.shape[0], 1024))
-        cos = self.cos[positions][:, None, :]  # [tokens, 1, head_dim]
-        sin = self.sin[positions][:, None, :]
-        half = states.shape[-1] // 2
-        rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-        return states * cos + rotated * sin
+    def tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [>= max_position + 1, head_dim]."""
+        if max_position + 1 > self.cos.shape[0]:
+            self._grow(max(max_position + 1, 2 * self.cos.shape[0], 1024))
+        return self.cos, self.sin
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.engine.batch import ForwardBatch
-from specdec.kernels import attention
+from specdec.kernels import QKNormRope, attention, qk_norm_rope
 from specdec.models.config import ModelConfig
 from specdec.models.layers import Linear, RotaryTable, gated_activation, rms_norm
 
@@ -76,6 +76,7 @@ class Transformer:
         self.layers = [_build_layer(config, tensors, i, weight_format, self.device) for i in range(config.num_layers)]
         thetas = {config.layer_rope_theta(i) for i in range(config.num_layers)}
         self.rotary = {theta: RotaryTable(config.head_dim, theta, self.device) for theta in thetas}
+        self.qk_shape = QKNormRope(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
 
     def _missing_tensors(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         names = ["embed_tokens", "norm"]
@@ -120,8 +121,10 @@ class Transformer:
             hidden = hidden * self.config.embedding_scale
         ranges = self.key_ranges(batch)
         slots32 = batch.slots.to(torch.int32)
+        max_position = int(batch.positions.max())
         for index, layer in enumerate(self.layers):
-            attn_out = self._attention(index, layer, hidden, batch, cache, slots32, ranges[self.config.layer_type(index)])
+            attn_out = self._attention(index, layer, hidden, batch, cache, slots32, ranges[self.config.layer_type(index)],
+                                       max_position)
             hidden = hidden + attn_out
             hidden = hidden + self._mlp(layer, hidden)
         hidden = rms_norm(hidden[batch.logits_rows], self.norm, self.config.rms_norm_eps)
@@ -131,20 +134,15 @@ class Transformer:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _attention(self, index, layer: DecoderLayer, hidden, batch: ForwardBatch, cache: KVCache, slots32, key_range):
+    def _attention(self, index, layer: DecoderLayer, hidden, batch: ForwardBatch, cache: KVCache, slots32, key_range,
+                   max_position: int):
         config = self.config
         rows = hidden.shape[0]
         qkv = layer.qkv_proj(rms_norm(hidden, layer.attn_norm, config.rms_norm_eps))  # [rows, (H + 2 Hkv) * D]
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        query = qkv[:, :q_size].reshape(rows, config.num_heads, config.head_dim)
-        key = qkv[:, q_size : q_size + kv_size].reshape(rows, config.num_kv_heads, config.head_dim)
         value = qkv[:, q_size + kv_size :].reshape(rows, config.num_kv_heads, config.head_dim)
-        if layer.q_norm is not None:
-            query = rms_norm(query, layer.q_norm, config.rms_norm_eps)
-            key = rms_norm(key, layer.k_norm, config.rms_norm_eps)
-        rotary = self.rotary[config.layer_rope_theta(index)]
-        query = rotary.apply(query, batch.positions)
-        key = rotary.apply(key, batch.positions)
+        cos, sin = self.rotary[config.layer_rope_theta(index)].tables(max_position)  # each [>= max_position + 1, D]
+        query, key = qk_norm_rope(qkv, self.qk_shape, layer.q_norm, layer.k_norm, cos, sin, batch.positions)
         cache.write(index, batch.slots, batch.cache_positions, key, value)
         key_start, key_end, tree_keys = key_range
         context = attention(query.contiguous(), cache.keys[index], cache.values[index], slots32, key_start, key_end,

@@ -1,0 +1,72 @@
+"""Row-wise RMS norm and the fused QK-norm + RoPE kernel: close to the torch expressions, row invariant."""
+
+import pytest
+import torch
+
+from specdec.kernels import ops
+from specdec.models.layers import RotaryTable
+
+pytestmark = pytest.mark.skipif(not ops.kernels_available(), reason="compiled kernels are built by setup")
+
+SHAPES = [(4, 1, 256, True), (12, 2, 128, False), (9, 3, 64, False), (3, 1, 40, True)]  # H, Hkv, D, QK-norm
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dim", [640, 1536, 576, 40])
+def test_rms_norm_matches_torch_and_is_row_invariant(dim):
+    generator = _generator(dim)
+    hidden = torch.randn(9, dim, generator=generator) * 3.0  # [rows, dim]
+    weight = torch.randn(dim, generator=generator)
+    out = ops.rms_norm(hidden, weight, 1e-6)
+    torch.testing.assert_close(out, ops._rms_norm_torch(hidden, weight, 1e-6), rtol=1e-5, atol=1e-5)
+    for row in range(hidden.shape[0]):
+        assert torch.equal(ops.rms_norm(hidden[row : row + 1], weight, 1e-6), out[row : row + 1])
+    assert torch.equal(ops.rms_norm(hidden.view(3, 3, dim), weight, 1e-6), out.view(3, 3, dim))
+
+
+def test_rms_norm_rejects_a_weight_of_the_wrong_size():
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ops.rms_norm(torch.randn(2, 64), torch.randn(32), 1e-6)
+
+
+def _qkv_case(heads, kv_heads, dim, tokens=7, seed=0):
+    generator = _generator(seed + heads * 10 + dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)  # [tokens, (H + 2 Hkv) * D]
+    positions = torch.tensor([0, 1, 2, 57, 58, 300, 1000][:tokens])
+    cos, sin = RotaryTable(dim, 10000.0, torch.device("cpu")).tables(int(positions.max()))
+    return qkv, positions, cos, sin
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,qk_norm", SHAPES)
+def test_qk_norm_rope_matches_the_torch_path(heads, kv_heads, dim, qk_norm):
+    qkv, positions, cos, sin = _qkv_case(heads, kv_heads, dim)
+    shape = ops.QKNormRope(heads, kv_heads, dim, 1e-6)
+    norms = (torch.rand(dim) + 0.5, torch.rand(dim) + 0.5) if qk_norm else (None, None)
+    query, key = ops.qk_norm_rope(qkv, shape, *norms, cos, sin, positions)
+    ref_query, ref_key = ops._qk_norm_rope_torch(qkv, shape, *norms, cos, sin, positions)
+    assert query.shape == (len(positions), heads, dim) and key.shape == (len(positions), kv_heads, dim)
+    if qk_norm:  # the norm's reduction order differs from torch's
+        torch.testing.assert_close(query, ref_query, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(key, ref_key, rtol=1e-5, atol=1e-5)
+    else:  # RoPE alone is the same elementwise expression as torch's: bitwise equal
+        assert torch.equal(query, ref_query) and torch.equal(key, ref_key)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,qk_norm", SHAPES)
+def test_qk_norm_rope_is_row_invariant(heads, kv_heads, dim, qk_norm):
+    qkv, positions, cos, sin = _qkv_case(heads, kv_heads, dim, seed=1)
+    shape = ops.QKNormRope(heads, kv_heads, dim, 1e-6)
+    norms = (torch.rand(dim) + 0.5, torch.rand(dim) + 0.5) if qk_norm else (None, None)
+    query, key = ops.qk_norm_rope(qkv, shape, *norms, cos, sin, positions)
+    for row in range(len(positions)):
+        alone_query, alone_key = ops.qk_norm_rope(qkv[row : row + 1], shape, *norms, cos, sin, positions[row : row + 1])
+        assert torch.equal(alone_query[0], query[row]) and torch.equal(alone_key[0], key[row])
+
+
+def test_qk_norm_rope_rejects_positions_past_the_table():
+    qkv, positions, cos, sin = _qkv_case(4, 1, 64)
+    with pytest.raises(RuntimeError, match="position out of table"):
+        ops.qk_norm_rope(qkv, ops.QKNormRope(4, 1, 64, 1e-6), None, None, cos[:10], sin[:10], positions)
