@@ -22,7 +22,8 @@ Propose, per request, with budget B:
 With num_branches > 1 (greedy token trees), the chosen candidate's other continuations become branches:
 every child of a node on the candidate's path that is not the path's own token, ranked by its running
 probability (ties: shallower, then smaller token id), the best num_branches - 1 of those at or above
-min_token_prob, each then followed greedily like the candidate.
+min_token_prob, each then followed greedily like the candidate; then, when the candidate comes from the
+request's own trie, the greedy continuations of its suffixes shorter than the matched one (longest first).
 
 Memory: up to max_depth trie nodes per non-repeating token, in the own and in the cache trie.
 """
@@ -109,6 +110,15 @@ def _other_branches(candidate: _Candidate, max_tokens: int, min_token_prob: floa
     return branches
 
 
+def _new_branches(branches: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The branches without those that repeat a prefix of an earlier branch (they add no tree node)."""
+    kept: list[tuple[int, ...]] = []
+    for branch in branches:
+        if not any(other[: len(branch)] == branch for other in kept):
+            kept.append(branch)
+    return kept
+
+
 def _max_match_length(max_depth: int, max_tokens: int) -> int:
     return max(1, max_depth - max_tokens)
 
@@ -136,6 +146,15 @@ class _RequestTrie:
             if node.continued_count > 0:
                 return _follow(node, max_tokens, min_token_prob)
         return _EMPTY_CANDIDATE
+
+    def shorter_matches(self, matched: _TrieNode, max_tokens: int, min_token_prob: float) -> list[tuple[int, ...]]:
+        """Continuations of the suffixes shorter than the matched one (longest first), each followed greedily."""
+        max_length = min(_max_match_length(self.max_depth, max_tokens), len(self.suffix_nodes))
+        lengths = range(max_length, 0, -1)
+        nodes = [self.suffix_nodes[length - 1] for length in lengths]
+        shorter = nodes[nodes.index(matched) + 1 :] if matched in nodes else []
+        candidates = (_follow(node, max_tokens, min_token_prob) for node in shorter if node.continued_count > 0)
+        return [candidate.token_ids for candidate in candidates if candidate.token_ids]
 
 
 class _SequenceCache:
@@ -254,7 +273,9 @@ class SuffixDrafter(Drafter):
         if self.num_branches == 1 or request_id not in self._greedy_request_ids or not best.token_ids:
             return Draft(token_ids=best.token_ids, draft_probs=None)
         others = _other_branches(best, max_tokens, self.min_token_prob, self.num_branches - 1)
-        return Draft.from_branches([best.token_ids, *others])
+        if best is own_candidate:
+            others += trie.shorter_matches(best.start, max_tokens, self.min_token_prob)
+        return Draft.from_branches(_new_branches([best.token_ids, *others])[: self.num_branches])
 
     def observe(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._trie(request_id).extend(token_ids)
