@@ -618,28 +618,12 @@ inline float softmax_numerators_avx(float* s, int64_t n) {
   return hsum16_avx(ps);
 }
 
-// One (row, head) pair over the logical key sequence [a, b) then extra[0 .. ne) (cache positions of a
-// tree row's ancestors and itself, in depth order), with the per-key operations of attn_item_avx: each
-// score alone, the same softmax over the logical order, P @ V sequential over the logical order.  So it
-// is bitwise the result attn_item_avx gives when the same keys are stored contiguously.
-// scratch: n + 16 floats of scores, then D accumulators.
-void attn_tree_pair_avx(const float* q, const float* K, const float* V, int64_t a, int64_t b, const int32_t* extra,
-                        int64_t ne, int64_t D, float scale, float* out, int64_t lds, float* scratch) {
-  const int64_t np = b - a;
-  float* s = scratch;
-  float* acc = scratch + lds;
-  scores_one_avx(q, K, a, b, D, scale, s - a);
-  for (int64_t e = 0; e < ne; ++e) scores_avx<1>(q, K + int64_t(extra[e]) * D, D, scale, s + np + e);
-  const float sum = softmax_numerators_avx(s, np + ne);
-  std::fill(acc, acc + D, 0.0f);
-  if (np > 0) pv_avx(s, V + a * D, np, D, acc);
-  for (int64_t e = 0; e < ne; ++e) pv_avx(s + np + e, V + int64_t(extra[e]) * D, 1, D, acc);
-  const __m512 sv = _mm512_set1_ps(sum);
-  for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, _mm512_div_ps(_mm512_loadu_ps(acc + d), sv));
-}
-
-void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const int32_t* b, float* const* outs,
-                   const float* K, const float* V, int64_t D, float scale, int64_t lds, float* scratch) {
+// Extra keys (tree rows): pair r then attends ne[r] more keys at cache positions ex[r][0 .. ne[r]) after its
+// range, each scored alone (scores_avx<1>) into the score buffer right after the range's scores and added
+// to P @ V after the range's keys, in that order: the pair's keys in logical order, as attn_tree_row_scalar.
+void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const int32_t* b, const int32_t* const* ex,
+                   const int64_t* ne, float* const* outs, const float* K, const float* V, int64_t D, float scale,
+                   int64_t lds, float* scratch) {
   // sb[r] is indexed by the absolute key position: sb[r] + a[r] is the pair's score buffer
   std::vector<float*> sb(P), acc(P);
   int64_t jlo = INT64_MAX, jhi = 0;
@@ -677,10 +661,12 @@ void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const in
       }
     }
   }
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t e = 0; e < ne[r]; ++e) scores_avx<1>(qs[r], K + int64_t(ex[r][e]) * D, D, scale, sb[r] + b[r] + e);
   // softmax numerators and sums, per pair (same as before)
   std::vector<float> sums(P);
   for (int64_t r = 0; r < P; ++r) {
-    sums[r] = softmax_numerators_avx(sb[r] + a[r], b[r] - a[r]);
+    sums[r] = softmax_numerators_avx(sb[r] + a[r], b[r] - a[r] + ne[r]);
     std::fill(acc[r], acc[r] + D, 0.0f);
   }
   // pass 2: P @ V, per pair sequential over keys in ascending order
@@ -701,6 +687,8 @@ void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const in
         if (c1 < hi[i]) pv_avx(sb[r0 + i] + c1, V + c1 * D, hi[i] - c1, D, acc[r0 + i]);
     }
   }
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t e = 0; e < ne[r]; ++e) pv_avx(sb[r] + b[r] + e, V + int64_t(ex[r][e]) * D, 1, D, acc[r]);
   for (int64_t r = 0; r < P; ++r) {
     const __m512 sv = _mm512_set1_ps(sums[r]);
     for (int64_t d = 0; d < D; d += 16)
@@ -877,16 +865,12 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   std::vector<int64_t> order(M);
   for (int64_t m = 0; m < M; ++m) order[m] = m;
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return sp[x] < sp[y]; });
-  std::vector<int64_t> run_start;  // runs of rows with the same slot and a non-empty range
-  std::vector<int64_t> rows, tree_rows;
+  std::vector<int64_t> run_start;  // runs of rows with the same slot and a non-empty key sequence
+  std::vector<int64_t> rows;
   for (int64_t i = 0; i < M; ++i) {
     const int64_t m = order[i];
-    if (ne[m] > 0) {
-      TORCH_CHECK(b[m] >= a[m], "attention: a row with extra keys needs key_end >= key_start");
-      tree_rows.push_back(m);
-      continue;
-    }
-    if (b[m] <= a[m]) {
+    TORCH_CHECK(ne[m] == 0 || b[m] >= a[m], "attention: a row with extra keys needs key_end >= key_start");
+    if (b[m] <= a[m] && ne[m] == 0) {
       std::fill(op + m * Hq * D, op + (m + 1) * Hq * D, 0.0f);
       continue;
     }
@@ -895,7 +879,7 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   }
   run_start.push_back(int64_t(rows.size()));
   const int64_t nruns = int64_t(run_start.size()) - 1;
-  if (nruns <= 0 && tree_rows.empty()) return out;
+  if (nruns <= 0) return out;
   const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
   auto count_items = [&](int64_t cap) {
     int64_t c = 0;
@@ -905,15 +889,15 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   int64_t cap = 32;
   while (cap > 1 && count_items(cap) < nth) cap = (cap + 1) / 2;
   // pairs in item order: run, kv head, rows of the run, heads of the group
-  const int64_t npairs = int64_t(rows.size() + tree_rows.size()) * Hq;
+  const int64_t npairs = int64_t(rows.size()) * Hq;
   std::vector<const float*> pq(npairs);
   std::vector<float*> po(npairs);
   std::vector<int32_t> pa(npairs), pb(npairs);
+  std::vector<const int32_t*> pe(npairs);  // the pair's extra keys (tree rows)
+  std::vector<int64_t> pne(npairs);
   struct Item {
     int64_t p0, np;
     const float *K, *V;
-    const int32_t* extra;  // tree item: the row's extra keys (nullptr: a contiguous item)
-    int64_t ne;
   };
   std::vector<Item> items;
   int64_t idx = 0;
@@ -928,54 +912,33 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
           po[idx] = op + (m * Hq + h) * D;
           pa[idx] = a[m];
           pb[idx] = b[m];
+          pe[idx] = ne[m] ? ep + m * E : nullptr;
+          pne[idx] = ne[m];
         }
       }
       const int64_t base = (slot * Hkv + kvh) * Lmax * D;
       for (int64_t p0 = first; p0 < idx; p0 += cap)
-        items.push_back({p0, std::min(cap, idx - p0), kp + base, vp + base, nullptr, 0});
-    }
-  }
-  // tree rows: one item per (row, kv head), each pair computed alone (attn_tree_pair_avx)
-  for (const int64_t m : tree_rows) {
-    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-      const int64_t first = idx;
-      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h, ++idx) {
-        pq[idx] = qp + (m * Hq + h) * D;
-        po[idx] = op + (m * Hq + h) * D;
-        pa[idx] = a[m];
-        pb[idx] = b[m];
-      }
-      const int64_t base = (sp[m] * Hkv + kvh) * Lmax * D;
-      items.push_back({first, group, kp + base, vp + base, ep + m * E, ne[m]});
+        items.push_back({p0, std::min(cap, idx - p0), kp + base, vp + base});
     }
   }
   const int64_t lds = (maxn + 16 + 15) / 16 * 16;
   auto run_item = [&](const Item& it) {
     thread_local Scratch sbuf_mem;
-    if (it.extra) {
-      float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(lds + D + 16) * 4));
-      for (int64_t r = it.p0; r < it.p0 + it.np; ++r) {
-#ifdef SPECDEC_X86
-        if (avx) {
-          attn_tree_pair_avx(pq[r], it.K, it.V, pa[r], pb[r], it.extra, it.ne, D, scale, po[r], lds, sbuf);
-          continue;
-        }
-#endif
-        attn_tree_row_scalar(pq[r], it.K, it.V, pa[r], pb[r], it.extra, it.ne, D, scale, po[r], sbuf);
-      }
-      return;
-    }
 #ifdef SPECDEC_X86
     if (avx) {
       float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(it.np * (lds + D) + 16) * 4));
-      attn_item_avx(it.np, pq.data() + it.p0, pa.data() + it.p0, pb.data() + it.p0, po.data() + it.p0, it.K, it.V,
-                    D, scale, lds, sbuf);
+      attn_item_avx(it.np, pq.data() + it.p0, pa.data() + it.p0, pb.data() + it.p0, pe.data() + it.p0,
+                    pne.data() + it.p0, po.data() + it.p0, it.K, it.V, D, scale, lds, sbuf);
       return;
     }
 #endif
     float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(lds + 16) * 4));
-    for (int64_t r = it.p0; r < it.p0 + it.np; ++r)
-      attn_row_scalar(pq[r], it.K, it.V, pa[r], pb[r], D, scale, po[r], sbuf);
+    for (int64_t r = it.p0; r < it.p0 + it.np; ++r) {
+      if (pne[r])
+        attn_tree_row_scalar(pq[r], it.K, it.V, pa[r], pb[r], pe[r], pne[r], D, scale, po[r], sbuf);
+      else
+        attn_row_scalar(pq[r], it.K, it.V, pa[r], pb[r], D, scale, po[r], sbuf);
+    }
   };
   const int64_t nitems = int64_t(items.size());
   const int64_t workers = std::min(nth, nitems);
