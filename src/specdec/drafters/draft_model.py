@@ -88,8 +88,10 @@ class DraftModelDrafter(Drafter):
                       draft_probs: list[torch.Tensor]) -> list[list[int]]:
         """logits [1, vocab] -> one branch per first token: the top tokens for a tree, else one draft token."""
         num_branches = self._num_branches(state, max_tokens)
-        if num_branches > 1:
-            return [[token_id] for token_id in logits[0].topk(num_branches).indices.tolist()]
+        if num_branches > 1:  # the argmax first (ties: the first index, as the chain), then the runners-up
+            best = int(logits[0].argmax())
+            others = [token_id for token_id in logits[0].topk(num_branches).indices.tolist() if token_id != best]
+            return [[best], *([token_id] for token_id in others[: num_branches - 1])]
         token_id, probs = self._draft_token(state, logits)
         if probs is not None:
             draft_probs.append(probs)
