@@ -54,7 +54,8 @@ def test_speculative_defaults_and_round_trip() -> None:
         ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 0}, "prompt_lookup_min must be >= 1"),
         ({"method": "ngram", "num_speculative_tokens": 4, "lookup_max": 3},
          "unknown speculative config key\\(s\\): 'lookup_max'; valid keys: method, num_speculative_tokens, model, "
-         "prompt_lookup_max, prompt_lookup_min, suffix_max_depth, suffix_min_token_prob, suffix_cache_requests"),
+         "prompt_lookup_max, prompt_lookup_min, suffix_max_depth, suffix_min_token_prob, suffix_cache_requests, "
+         "num_draft_branches"),
         ({"method": "draft_model", "num_speculative_tokens": 4},
          "speculative method 'draft_model' needs 'model'"),
         ({"method": "ngram", "num_speculative_tokens": 4, "model": "tiny"},
@@ -66,6 +67,8 @@ def test_speculative_defaults_and_round_trip() -> None:
         ({"method": "suffix", "num_speculative_tokens": 4, "suffix_max_depth": 0}, "suffix_max_depth must be >= 1"),
         ({"method": "suffix", "num_speculative_tokens": 4, "suffix_cache_requests": -1},
          "suffix_cache_requests must be >= 0"),
+        ({"method": "ngram", "num_speculative_tokens": 4, "num_draft_branches": 0}, "num_draft_branches must be >= 1"),
+        ({"method": "suffix", "num_speculative_tokens": 4, "num_draft_branches": 9}, "num_draft_branches must be <= 8"),
         ({"method": "ngram"}, "missing required key\\(s\\): num_speculative_tokens"),
         ({"method": 3, "num_speculative_tokens": 4}, "method must be a string, got int"),
     ],

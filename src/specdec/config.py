@@ -10,6 +10,7 @@ from typing import Any
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 METHODS_WITHOUT_DRAFT_MODEL = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
+MAX_DRAFT_BRANCHES = 8
 
 
 def _require_int(owner: str, name: str, value: object) -> None:
@@ -93,6 +94,15 @@ class SpeculativeConfig:
       prompt_lookup_max: longest n-gram the ngram drafter tries to match (>= 1).
       prompt_lookup_min: shortest n-gram the ngram drafter tries to match (>= 1, <= prompt_lookup_max).
 
+    Our key (token trees, greedy-only):
+      num_draft_branches: how many branches a drafter may propose per step, 1..8 (1 = chains, the
+          default). The branches are merged by shared prefixes into a token tree that the target verifies
+          in one forward; num_speculative_tokens bounds each branch's depth, and the engine caps the
+          tree's nodes at the sequence's share of max_verify_tokens rows. Trees are greedy-only: a sampled
+          request (temperature > 0) drafts and verifies one chain, whatever this key. Branches: ngram, the
+          continuations of earlier occurrences; suffix, the other continuations of the matched trie path;
+          draft_model, the top-b first tokens, each followed by its greedy chain.
+
     Our keys (suffix drafter only):
       suffix_max_depth: depth limit of the suffix trie = longest context + draft it can match (>= 1).
       suffix_min_token_prob: the draft stops once the running product of the empirical continuation
@@ -109,6 +119,7 @@ class SpeculativeConfig:
     suffix_max_depth: int = 64
     suffix_min_token_prob: float = 0.1
     suffix_cache_requests: int = 64
+    num_draft_branches: int = 1
 
     def __post_init__(self) -> None:
         self._validate_method_and_model()
@@ -131,6 +142,9 @@ class SpeculativeConfig:
         if not 0 <= self.suffix_min_token_prob <= 1:
             raise ValueError(f"{owner}.suffix_min_token_prob must be in [0, 1], got {self.suffix_min_token_prob}")
         _require_at_least(owner, "suffix_cache_requests", self.suffix_cache_requests, 0)
+        _require_at_least(owner, "num_draft_branches", self.num_draft_branches, 1)
+        if self.num_draft_branches > MAX_DRAFT_BRANCHES:
+            raise ValueError(f"{owner}.num_draft_branches must be <= {MAX_DRAFT_BRANCHES}, got {self.num_draft_branches}")
 
     def _validate_method_and_model(self) -> None:
         if not isinstance(self.method, str):

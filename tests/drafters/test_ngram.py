@@ -100,3 +100,39 @@ def test_errors() -> None:
         drafter.propose(["r"], [1])
     with pytest.raises(ValueError, match="need 1 <= prompt_lookup_min <= prompt_lookup_max"):
         NgramDrafter(prompt_lookup_max=2, prompt_lookup_min=3)
+
+
+# ---- token trees (num_branches > 1) --------------------------------------------------------------------
+BRANCHING = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 5, 9, 1, 2]  # "1 2" went on with 3, 4 and 5
+
+
+def test_branches_are_distinct_continuations_chain_first():
+    drafter = NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1, num_branches=3)
+    drafter.add_request("r", BRANCHING, SamplingParams(), None)
+    (draft,) = drafter.propose(["r"], [3])
+    assert draft.token_ids == (5, 9, 1)  # what the chain drafter proposes
+    assert draft.tree.token_ids == (5, 9, 1, 4, 9, 1, 3, 9, 1)
+    assert draft.tree.parents == (-1, 0, 1, -1, 3, 4, -1, 6, 7)
+
+
+def test_one_branch_is_the_chain_drafter():
+    chain = NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1)
+    chain.add_request("r", BRANCHING, SamplingParams(), None)
+    (draft,) = chain.propose(["r"], [3])
+    assert draft.token_ids == (5, 9, 1) and draft.tree is None
+
+
+def test_sampled_requests_get_chains_from_a_tree_drafter():
+    drafter = NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1, num_branches=3)
+    drafter.add_request("r", BRANCHING, SamplingParams(temperature=0.7), None)
+    (draft,) = drafter.propose(["r"], [3])
+    assert draft.token_ids == (5, 9, 1) and draft.tree is None
+
+
+def test_branches_leave_the_chain_where_a_later_n_gram_went_on_differently():
+    drafter = NgramDrafter(prompt_lookup_max=2, prompt_lookup_min=1, num_branches=4)
+    drafter.add_request("r", [1, 2, 3, 4, 9, 8, 2, 3, 5, 9, 1, 2], SamplingParams(), None)
+    (draft,) = drafter.propose(["r"], [3])
+    assert draft.token_ids == (3, 4, 9)  # "1 2" went on with "3 4 9"
+    # after "1 2 3", the bigram "2 3" last went on with "5 9": a branch at depth 1
+    assert draft.tree.token_ids == (3, 4, 9, 5, 9) and draft.tree.parents == (-1, 0, 1, 0, 3)

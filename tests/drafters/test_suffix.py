@@ -175,3 +175,35 @@ def test_errors() -> None:
         drafter.propose(["r"], [-1])
     with pytest.raises(ValueError, match=r"min_token_prob must be in \[0, 1\], got 2"):
         SuffixDrafter(max_depth=4, min_token_prob=2, cache_requests=1)
+
+
+# ---- token trees (num_branches > 1) --------------------------------------------------------------------
+def test_tree_adds_the_other_continuations_of_the_match():
+    drafter = SuffixDrafter(max_depth=16, min_token_prob=0.01, cache_requests=0, num_branches=3)
+    drafter.add_request("r", [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 5, 9, 1, 2], SamplingParams(), None)
+    (draft,) = drafter.propose(["r"], [3])
+    # "9 1 2" went on with 4 and 5 once each: the tie goes to the smaller id, 5 is the second branch;
+    # the shorter suffix "1 2" adds its own continuation 3
+    assert draft.token_ids == (4, 9, 1)
+    assert draft.tree.token_ids == (4, 9, 1, 5, 9, 1, 3, 9, 1)
+    assert draft.tree.parents == (-1, 0, 1, -1, 3, 4, -1, 6, 7)
+
+
+def test_tree_branches_respect_min_token_prob_and_sampled_requests_get_chains():
+    tokens = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 5, 9, 1, 2]
+    strict = SuffixDrafter(max_depth=16, min_token_prob=0.6, cache_requests=0, num_branches=3)
+    strict.add_request("r", tokens, SamplingParams(), None)
+    assert strict.propose(["r"], [3])[0].token_ids == ()  # 1/2 < 0.6: no chain, no branches
+    sampled = SuffixDrafter(max_depth=16, min_token_prob=0.01, cache_requests=0, num_branches=3)
+    sampled.add_request("r", tokens, SamplingParams(temperature=1.0), None)
+    (draft,) = sampled.propose(["r"], [3])
+    assert draft.token_ids == (4, 9, 1) and draft.tree is None
+
+
+def test_tree_adds_the_continuations_of_shorter_suffixes():
+    drafter = SuffixDrafter(max_depth=16, min_token_prob=0.01, cache_requests=0, num_branches=3)
+    # "8 1 2" went on with 3 once; the shorter suffix "1 2" went on with 4 twice, "2" with 4 twice and 3 once
+    drafter.add_request("r", [7, 1, 2, 4, 7, 1, 2, 4, 8, 1, 2, 3, 8, 1, 2], SamplingParams(), None)
+    (draft,) = drafter.propose(["r"], [2])
+    assert draft.token_ids == (3, 8)
+    assert draft.tree.token_ids == (3, 8, 4, 7) and draft.tree.parents == (-1, 0, -1, 2)

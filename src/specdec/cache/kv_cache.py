@@ -4,6 +4,9 @@ A sequence owns one slot. Its keys/values for position p live at ``[layer][slot,
 positions are valid is the sequence's own length, kept by the engine. Rolling back after rejected draft
 tokens is therefore free: the engine sets a shorter length and the stale entries are overwritten by the
 next write at those positions (attention never reads past a query's own position).
+
+Token trees write their nodes at scratch positions after the sequence's last token; after verification
+the accepted path is gather-copied into consecutive positions (``compact``).
 """
 from __future__ import annotations
 
@@ -27,6 +30,22 @@ class KVCache:
         """slots, positions [tokens]; keys, values [tokens, kv_heads, head_dim]."""
         self.keys[layer][slots, :, positions] = keys
         self.values[layer][slots, :, positions] = values
+
+    def compact(self, slot: int, src_positions: list[int], dst_positions: list[int]) -> None:
+        """Copies the keys/values at src_positions to dst_positions of one slot, in every layer.
+
+        All sources are read before any destination is written, so the two lists may overlap.
+        """
+        if len(src_positions) != len(dst_positions):
+            raise ValueError(f"compact got {len(src_positions)} source but {len(dst_positions)} destination positions")
+        out_of_range = [p for p in [*src_positions, *dst_positions] if not 0 <= p < self.max_len]
+        if out_of_range:
+            raise ValueError(f"compact positions {out_of_range[:5]} outside [0, {self.max_len})")
+        device = self.keys[0].device
+        src = torch.tensor(src_positions, dtype=torch.int64, device=device)
+        dst = torch.tensor(dst_positions, dtype=torch.int64, device=device)
+        for cache in self.keys + self.values:  # each [slots, kv_heads, max_len, head_dim]
+            cache[slot, :, dst] = cache[slot, :, src]
 
     def allocate(self) -> int:
         if not self._free_slots:

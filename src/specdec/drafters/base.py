@@ -8,14 +8,20 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import SamplingParams
+from specdec.drafters.tree import DraftTree
 
 
 @dataclass(frozen=True)
 class Draft:
-    """The drafter's proposal for one request."""
+    """The drafter's proposal for one request.
+
+    token_ids is always a chain: with a tree it is the tree's first branch, which is what a sampled
+    (temperature > 0) request verifies, since trees are greedy-only.
+    """
 
     token_ids: tuple[int, ...]  # k proposed tokens (k may be 0)
     draft_probs: torch.Tensor | None = None  # [k, vocab] draft distribution per position, None = point mass
+    tree: DraftTree | None = None  # more branches for greedy verification; None = the chain only
 
     def __post_init__(self) -> None:
         if not isinstance(self.token_ids, tuple):
@@ -27,6 +33,17 @@ class Draft:
                 f"Draft.draft_probs must be [k, vocab] with k = {len(self.token_ids)}, "
                 f"got shape {tuple(self.draft_probs.shape)}"
             )
+        if self.tree is not None and self.tree.first_branch() != self.token_ids:
+            raise ValueError(
+                f"Draft.token_ids {self.token_ids} must be the first branch of Draft.tree, {self.tree.first_branch()}"
+            )
+
+    @classmethod
+    def from_branches(cls, branches: Sequence[Sequence[int]], max_nodes: int | None = None) -> "Draft":
+        """Point-mass draft of one or more branches: a chain for one branch, a tree otherwise."""
+        tree = DraftTree.from_branches(branches, max_nodes)
+        chain = tree.first_branch()
+        return cls(token_ids=chain, draft_probs=None, tree=None if tree.is_chain() else tree)
 
 
 class Drafter(ABC):

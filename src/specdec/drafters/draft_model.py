@@ -5,6 +5,12 @@ entries in that cache; after the target verifies, the longest prefix that still 
 sequence stays valid (rollback = truncating that list), and the next proposal first feeds the tokens the
 draft model has not seen yet — the recovered/bonus token, and after a fully accepted draft also the last
 draft token (catch-up), all in the same batched forward.
+
+With num_branches = b > 1, a greedy request drafts a token tree: the b most likely first tokens, each
+followed by its own greedy chain, all branches advanced together, one row each, in every later forward.
+Branch 0 (the argmax chain, exactly the chain draft) sits in place in the draft cache; branch j > 0 is
+written at scratch positions base + j * k + depth and attends the committed prefix plus its own earlier
+nodes (tree keys), so its tokens are those of the same chain decoded alone. Sampled requests draft chains.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import torch
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.tree import DraftTree
 from specdec.engine.batch import ForwardBatch
 from specdec.models.transformer import Transformer
 from specdec.verify.sampling import logits_to_probs, sample
@@ -31,8 +38,11 @@ class _DraftState:
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, model: Transformer, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, model: Transformer, max_num_seqs: int, max_model_len: int, num_branches: int = 1) -> None:
+        if num_branches < 1:
+            raise ValueError(f"num_branches must be >= 1, got {num_branches}")
         self.model = model
+        self.num_branches = num_branches
         self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device)
         self.states: dict[str, _DraftState] = {}
 
@@ -56,24 +66,73 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
         states = [self.states[request_id] for request_id in request_ids]
-        drafted: list[list[int]] = [[] for _ in states]
+        branches: list[list[list[int]]] = [[[]] for _ in states]  # per request, per branch: its tokens
         draft_probs: list[list[torch.Tensor]] = [[] for _ in states]
-        # Step 0 feeds every token the draft cache lacks; later steps feed the previous draft token.
-        pending = [state.token_ids[len(state.cached_token_ids):] for state in states]
+        # Step 0 feeds every token the draft cache lacks; later steps feed each branch's last token.
         active = [i for i, budget in enumerate(max_draft_tokens) if budget > 0]
-        while active:
-            logits = self._forward([states[i] for i in active], [pending[i] for i in active])  # [active, vocab]
+        if active:
+            pending = [states[i].token_ids[len(states[i].cached_token_ids):] for i in active]
+            logits = self._forward([states[i] for i in active], pending)  # [active, vocab]
             for row, i in enumerate(active):
-                token_id, probs = self._draft_token(states[i], logits[row : row + 1])
-                drafted[i].append(token_id)
-                if probs is not None:
-                    draft_probs[i].append(probs)
-                pending[i] = [token_id]
-            active = [i for i in active if len(drafted[i]) < max_draft_tokens[i]]
-        return [
-            Draft(tuple(tokens), torch.cat(probs) if probs else None)
-            for tokens, probs in zip(drafted, draft_probs)
-        ]
+                branches[i] = self._first_tokens(states[i], logits[row : row + 1], max_draft_tokens[i], draft_probs[i])
+            active = [i for i in active if len(branches[i][0]) < max_draft_tokens[i]]
+        while active:
+            logits_per_seq = self._forward_branches([states[i] for i in active], [branches[i] for i in active],
+                                                    [max_draft_tokens[i] for i in active])  # each [branches, vocab]
+            for i, logits in zip(active, logits_per_seq):
+                self._next_tokens(states[i], branches[i], logits, draft_probs[i])
+            active = [i for i in active if len(branches[i][0]) < max_draft_tokens[i]]
+        return [self._draft(request_branches, probs) for request_branches, probs in zip(branches, draft_probs)]
+
+    def _first_tokens(self, state: _DraftState, logits: torch.Tensor, max_tokens: int,
+                      draft_probs: list[torch.Tensor]) -> list[list[int]]:
+        """logits [1, vocab] -> one branch per first token: the top tokens for a tree, else one draft token."""
+        num_branches = self._num_branches(state, max_tokens)
+        if num_branches > 1:  # the argmax first (ties: the first index, as the chain), then the runners-up
+            best = int(logits[0].argmax())
+            others = [token_id for token_id in logits[0].topk(num_branches).indices.tolist() if token_id != best]
+            return [[best], *([token_id] for token_id in others[: num_branches - 1])]
+        token_id, probs = self._draft_token(state, logits)
+        if probs is not None:
+            draft_probs.append(probs)
+        return [[token_id]]
+
+    def _num_branches(self, state: _DraftState, max_tokens: int) -> int:
+        """Branches of a greedy request's tree, as many as fit in the draft cache's scratch positions."""
+        if not state.params.greedy:
+            return 1
+        room = (self.cache.max_len - len(state.token_ids)) // max_tokens
+        return max(1, min(self.num_branches, room))
+
+    def _next_tokens(self, state: _DraftState, branches: list[list[int]], logits: torch.Tensor,
+                     draft_probs: list[torch.Tensor]) -> None:
+        """logits [branches, vocab]: the next token of every branch (greedy argmax for trees)."""
+        if len(branches) > 1:
+            for branch, token_id in zip(branches, logits.argmax(dim=-1).tolist()):
+                branch.append(token_id)
+            return
+        token_id, probs = self._draft_token(state, logits)
+        branches[0].append(token_id)
+        if probs is not None:
+            draft_probs.append(probs)
+
+    @staticmethod
+    def _draft(branches: list[list[int]], draft_probs: list[torch.Tensor]) -> Draft:
+        if len(branches) == 1:
+            return Draft(tuple(branches[0]), torch.cat(draft_probs) if draft_probs else None)
+        tree = DraftTree.from_branches(branches)
+        return Draft(tree.first_branch(), None, tree)
+
+    def _forward_branches(self, states: list[_DraftState], branches: list[list[list[int]]],
+                          max_tokens: list[int]) -> list[torch.Tensor]:
+        """Feeds every branch's last token (one row per branch); returns per request [branches, vocab]."""
+        rows = [_branch_rows(len(state.token_ids), request_branches, k)
+                for state, request_branches, k in zip(states, branches, max_tokens)]
+        batch = ForwardBatch.from_rows(*zip(*rows), [state.slot for state in states], device=self.model.device)
+        logits = self.model.forward(batch, self.cache)  # [rows, vocab]
+        for state, request_branches in zip(states, branches):
+            state.cached_token_ids.append(request_branches[0][-1])  # branch 0 sits in place
+        return batch.split_logits(logits)
 
     def _forward(self, states: list[_DraftState], new_tokens: list[list[int]]) -> torch.Tensor:
         batch = ForwardBatch.build(
@@ -95,3 +154,17 @@ class DraftModelDrafter(Drafter):
             return int(logits[0].argmax()), None
         probs = logits_to_probs(logits, state.params)  # [1, vocab]
         return int(sample(probs, state.generator)[0]), probs
+
+
+def _branch_rows(base: int, branches: list[list[int]], max_tokens: int):
+    """Rows feeding each branch's last token: (tokens, RoPE positions, cache positions, prefix ends, tree keys).
+
+    The token at depth d of branch j belongs at RoPE position base + d; branch 0 is stored in place,
+    branch j > 0 at base + j * max_tokens + d, attending the prefix < base and its own nodes.
+    """
+    depth = len(branches[0]) - 1
+    cache_positions = [base + j * max_tokens + depth if j else base + depth for j in range(len(branches))]
+    prefix_ends = [base if j else base + depth + 1 for j in range(len(branches))]
+    tree_keys = [[base + j * max_tokens + d for d in range(depth + 1)] if j else [] for j in range(len(branches))]
+    return ([branch[-1] for branch in branches], [base + depth] * len(branches), cache_positions, prefix_ends,
+            tree_keys)

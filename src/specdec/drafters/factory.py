@@ -14,11 +14,12 @@ def build_drafter(config: SpeculativeConfig, target: Transformer, tokenizer: Tok
     if config.method == "ngram":
         from specdec.drafters.ngram import NgramDrafter
 
-        return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min)
+        return NgramDrafter(config.prompt_lookup_max, config.prompt_lookup_min, config.num_draft_branches)
     if config.method == "suffix":
         from specdec.drafters.suffix import SuffixDrafter
 
-        return SuffixDrafter(config.suffix_max_depth, config.suffix_min_token_prob, config.suffix_cache_requests)
+        return SuffixDrafter(config.suffix_max_depth, config.suffix_min_token_prob, config.suffix_cache_requests,
+                             config.num_draft_branches)
     if config.method == "draft_model":
         return _build_draft_model(config, target, tokenizer, weight_format, max_model_len, max_num_seqs)
     raise ValueError(f"speculative method {config.method!r} is not implemented yet")
@@ -37,7 +38,7 @@ def _build_draft_model(config, target: Transformer, tokenizer: Tokenizer, weight
             f"the target ({target.config.num_parameters / 1e6:.0f}M): speculation will likely be slower",
             stacklevel=2,
         )
-    return DraftModelDrafter(draft, max_num_seqs, max_model_len)
+    return DraftModelDrafter(draft, max_num_seqs, max_model_len, config.num_draft_branches)
 
 
 def check_same_vocabulary(target_tokenizer: Tokenizer, draft_tokenizer: Tokenizer, target_vocab: int, draft_vocab: int) -> None:

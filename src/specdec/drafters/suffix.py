@@ -19,6 +19,12 @@ Propose, per request, with budget B:
   probabilities (the expected number of accepted tokens under the empirical model). The own candidate is
   preferred; the cache candidate is used only when its score is strictly higher.
 
+With num_branches > 1 (greedy token trees), the chosen candidate's other continuations become branches:
+every child of a node on the candidate's path that is not the path's own token, ranked by its running
+probability (ties: shallower, then smaller token id), the best num_branches - 1 of those at or above
+min_token_prob, each then followed greedily like the candidate; then, when the candidate comes from the
+request's own trie, the greedy continuations of its suffixes shorter than the matched one (longest first).
+
 Memory: up to max_depth trie nodes per non-repeating token, in the own and in the cache trie.
 """
 from __future__ import annotations
@@ -46,6 +52,7 @@ class _TrieNode:
 class _Candidate:
     token_ids: tuple[int, ...]
     score: float  # sum of the running probabilities = expected accepted tokens under the empirical model
+    start: _TrieNode | None = None  # the matched node the tokens continue
 
 
 _EMPTY_CANDIDATE = _Candidate(token_ids=(), score=0.0)
@@ -67,10 +74,10 @@ def _extend_suffixes(root: _TrieNode, suffix_nodes: list[_TrieNode], token_id: i
     return extended_nodes
 
 
-def _follow(node: _TrieNode, max_tokens: int, min_token_prob: float) -> _Candidate:
+def _follow(node: _TrieNode, max_tokens: int, min_token_prob: float, running_prob: float = 1.0) -> _Candidate:
     """Greedily follow the most frequent continuation while the running probability stays confident."""
+    start = node
     token_ids: list[int] = []
-    running_prob = 1.0
     score = 0.0
     while len(token_ids) < max_tokens and node.children:
         token_id, child = max(node.children.items(), key=lambda item: (item[1].count, -item[0]))
@@ -80,7 +87,36 @@ def _follow(node: _TrieNode, max_tokens: int, min_token_prob: float) -> _Candida
         token_ids.append(token_id)
         score += running_prob
         node = child
-    return _Candidate(token_ids=tuple(token_ids), score=score)
+    return _Candidate(token_ids=tuple(token_ids), score=score, start=start)
+
+
+def _other_branches(candidate: _Candidate, max_tokens: int, min_token_prob: float, count: int) -> list[tuple[int, ...]]:
+    """Up to `count` alternatives to the candidate: its path's other children, best running probability first."""
+    options = []  # (running probability, depth, token id, child node)
+    node, running_prob = candidate.start, 1.0
+    for depth, path_token_id in enumerate(candidate.token_ids):
+        for token_id, child in node.children.items():
+            prob = running_prob * child.count / node.continued_count
+            if token_id != path_token_id and prob >= min_token_prob:
+                options.append((prob, depth, token_id, child))
+        path_child = node.children[path_token_id]
+        running_prob *= path_child.count / node.continued_count
+        node = path_child
+    options.sort(key=lambda option: (-option[0], option[1], option[2]))
+    branches = []
+    for prob, depth, token_id, child in options[:count]:
+        rest = _follow(child, max_tokens - depth - 1, min_token_prob, prob)
+        branches.append((*candidate.token_ids[:depth], token_id, *rest.token_ids))
+    return branches
+
+
+def _new_branches(branches: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The branches without those that repeat a prefix of an earlier branch (they add no tree node)."""
+    kept: list[tuple[int, ...]] = []
+    for branch in branches:
+        if not any(other[: len(branch)] == branch for other in kept):
+            kept.append(branch)
+    return kept
 
 
 def _max_match_length(max_depth: int, max_tokens: int) -> int:
@@ -110,6 +146,15 @@ class _RequestTrie:
             if node.continued_count > 0:
                 return _follow(node, max_tokens, min_token_prob)
         return _EMPTY_CANDIDATE
+
+    def shorter_matches(self, matched: _TrieNode, max_tokens: int, min_token_prob: float) -> list[tuple[int, ...]]:
+        """Continuations of the suffixes shorter than the matched one (longest first), each followed greedily."""
+        max_length = min(_max_match_length(self.max_depth, max_tokens), len(self.suffix_nodes))
+        lengths = range(max_length, 0, -1)
+        nodes = [self.suffix_nodes[length - 1] for length in lengths]
+        shorter = nodes[nodes.index(matched) + 1 :] if matched in nodes else []
+        candidates = (_follow(node, max_tokens, min_token_prob) for node in shorter if node.continued_count > 0)
+        return [candidate.token_ids for candidate in candidates if candidate.token_ids]
 
 
 class _SequenceCache:
@@ -179,13 +224,17 @@ class _SequenceCache:
 class SuffixDrafter(Drafter):
     """Suffix-trie drafting over the request itself and a cache of finished requests; point-mass drafts."""
 
-    def __init__(self, max_depth: int, min_token_prob: float, cache_requests: int) -> None:
+    def __init__(self, max_depth: int, min_token_prob: float, cache_requests: int, num_branches: int = 1) -> None:
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         if not 0 <= min_token_prob <= 1:
             raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}")
         if cache_requests < 0:
             raise ValueError(f"cache_requests must be >= 0, got {cache_requests}")
+        if num_branches < 1:
+            raise ValueError(f"num_branches must be >= 1, got {num_branches}")
+        self.num_branches = num_branches
+        self._greedy_request_ids: set[str] = set()
         self.max_depth = max_depth
         self.min_token_prob = min_token_prob
         self._trie_by_request: dict[str, _RequestTrie] = {}
@@ -207,22 +256,26 @@ class SuffixDrafter(Drafter):
         trie = _RequestTrie(self.max_depth)
         trie.extend(prompt_token_ids)
         self._trie_by_request[request_id] = trie
+        if params.greedy:
+            self._greedy_request_ids.add(request_id)
 
     def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
         check_propose_args(request_ids, max_draft_tokens)
-        return [
-            Draft(token_ids=self._propose_one(request_id, budget), draft_probs=None)
-            for request_id, budget in zip(request_ids, max_draft_tokens)
-        ]
+        return [self._propose_one(request_id, budget) for request_id, budget in zip(request_ids, max_draft_tokens)]
 
-    def _propose_one(self, request_id: str, max_tokens: int) -> tuple[int, ...]:
+    def _propose_one(self, request_id: str, max_tokens: int) -> Draft:
         trie = self._trie(request_id)
         if max_tokens == 0:
-            return ()
+            return Draft(token_ids=(), draft_probs=None)
         own_candidate = trie.propose(max_tokens, self.min_token_prob)
         cache_candidate = self._cache.propose(trie.token_ids, max_tokens, self.min_token_prob)
         best = cache_candidate if cache_candidate.score > own_candidate.score else own_candidate
-        return best.token_ids
+        if self.num_branches == 1 or request_id not in self._greedy_request_ids or not best.token_ids:
+            return Draft(token_ids=best.token_ids, draft_probs=None)
+        others = _other_branches(best, max_tokens, self.min_token_prob, self.num_branches - 1)
+        if best is own_candidate:
+            others += trie.shorter_matches(best.start, max_tokens, self.min_token_prob)
+        return Draft.from_branches(_new_branches([best.token_ids, *others])[: self.num_branches])
 
     def observe(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._trie(request_id).extend(token_ids)
@@ -230,6 +283,7 @@ class SuffixDrafter(Drafter):
     def remove_request(self, request_id: str) -> None:
         trie = self._trie(request_id)
         del self._trie_by_request[request_id]
+        self._greedy_request_ids.discard(request_id)
         self._cache.add(request_id, tuple(trie.token_ids))
 
     def _trie(self, request_id: str) -> _RequestTrie:

@@ -3,6 +3,13 @@
 Sequence i contributes ``len(token_ids[i])`` consecutive rows at positions ``start[i], start[i]+1, ...``;
 each row attends its own sequence's cache up to and including its own position (causal), which is
 how a block of draft tokens is verified in one pass.
+
+A sequence may instead contribute a token tree (``parents``): row j > 0 is a tree node whose parent is
+row ``parents[j]``. Its K/V is written at the unique scratch cache position ``start + j`` while its RoPE
+position is ``start + depth(j)``, and it attends the contiguous cache positions below ``prefix_end`` (the
+committed prefix and the leading rows of its path that sit in place, i.e. at ``start + depth``) followed
+by the cache positions of the rest of its path (``tree_keys``), in depth order. A row of a chain (or of
+a tree's first branch) therefore attends exactly what it attends in a plain chain.
 """
 from __future__ import annotations
 
@@ -20,6 +27,9 @@ class ForwardBatch:
     row_counts: tuple[int, ...]  # rows per sequence
     logits_rows: torch.Tensor  # [logit rows] int64, rows whose logits are computed
     all_logits: bool  # logits for every row (verification) or only each sequence's last row
+    cache_positions: torch.Tensor  # [rows] int64, where the row's keys/values are written
+    prefix_ends: torch.Tensor  # [rows] int32, the row attends the contiguous cache positions < prefix_end ...
+    tree_keys: torch.Tensor | None  # ... then [rows, E] int32 cache positions (-1 pads); None: no tree rows
 
     @classmethod
     def build(
@@ -29,19 +39,83 @@ class ForwardBatch:
         slots: Sequence[int],
         all_logits: bool,
         device: torch.device | str = "cpu",
+        parents: Sequence[Sequence[int] | None] | None = None,
     ) -> "ForwardBatch":
-        """all_logits: logits for every row (verification) or only each sequence's last row (prefill/decode)."""
+        """all_logits: logits for every row (verification) or only each sequence's last row (prefill/decode).
+
+        parents: per sequence None (a chain) or the parent row of each row (-1 for row 0, then
+        0 <= parents[j] < j): a token tree rooted at the sequence's first row.
+        """
         counts = tuple(len(ids) for ids in token_ids)
         if any(count == 0 for count in counts):
             raise ValueError("every sequence in a forward batch needs at least one token")
+        parents = parents if parents is not None else [None] * len(counts)
+        rows = [_rows(start, count, seq_parents) for start, count, seq_parents in zip(starts, counts, parents)]
+        flat = lambda field: [value for seq_rows in rows for value in seq_rows[field]]  # noqa: E731
         flat_ids = [tok for ids in token_ids for tok in ids]
-        positions = [start + offset for start, count in zip(starts, counts) for offset in range(count)]
         row_slots = [slot for slot, count in zip(slots, counts) for _ in range(count)]
         ends = torch.tensor(counts).cumsum(0)
         logits_rows = torch.arange(len(flat_ids)) if all_logits else ends - 1
         as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-        return cls(as_long(flat_ids), as_long(positions), as_long(row_slots), counts, logits_rows.to(device), all_logits)
+        positions, cache_positions = as_long(flat(0)), as_long(flat(1))
+        prefix_ends = torch.tensor(flat(2), dtype=torch.int32, device=device)
+        return cls(as_long(flat_ids), positions, as_long(row_slots), counts, logits_rows.to(device), all_logits,
+                   cache_positions, prefix_ends, _tree_keys(flat(3), device))
+
+    @classmethod
+    def from_rows(
+        cls,
+        token_ids: Sequence[Sequence[int]],
+        positions: Sequence[Sequence[int]],
+        cache_positions: Sequence[Sequence[int]],
+        prefix_ends: Sequence[Sequence[int]],
+        tree_keys: Sequence[Sequence[Sequence[int]]],
+        slots: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> "ForwardBatch":
+        """Rows given explicitly, per sequence (logits for every row): for a drafter growing a tree over
+        several forwards, whose rows' ancestors were written by earlier forwards."""
+        counts = tuple(len(ids) for ids in token_ids)
+        if any(count == 0 for count in counts):
+            raise ValueError("every sequence in a forward batch needs at least one token")
+        flat = lambda values: [value for seq_values in values for value in seq_values]  # noqa: E731
+        as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+        row_slots = [slot for slot, count in zip(slots, counts) for _ in range(count)]
+        return cls(as_long(flat(token_ids)), as_long(flat(positions)), as_long(row_slots), counts,
+                   torch.arange(sum(counts), device=device), True, as_long(flat(cache_positions)),
+                   torch.tensor(flat(prefix_ends), dtype=torch.int32, device=device),
+                   _tree_keys([list(keys) for keys in flat(tree_keys)], device))
 
     def split_logits(self, logits: torch.Tensor) -> list[torch.Tensor]:
         """logits [logit rows, vocab] -> per-sequence [rows_i or 1, vocab]."""
         return list(logits.split(list(self.row_counts) if self.all_logits else 1))
+
+
+def _rows(start: int, count: int, parents: Sequence[int] | None) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    """One sequence's rows: RoPE positions, cache positions, prefix ends and tree keys (see ForwardBatch)."""
+    cache_positions = [start + offset for offset in range(count)]
+    if parents is None:
+        return cache_positions, cache_positions, [p + 1 for p in cache_positions], [[] for _ in range(count)]
+    if len(parents) != count or parents[0] != -1 or any(not 0 <= p < j for j, p in enumerate(parents) if j):
+        raise ValueError(f"tree parents must be [-1, then 0 <= parents[j] < j] for {count} rows, got {list(parents)}")
+    paths: list[list[int]] = []
+    for j, parent in enumerate(parents):
+        paths.append([*paths[parent], j] if j else [0])
+    positions, prefix_ends, tree_keys = [], [], []
+    for path in paths:
+        in_place = 0
+        while in_place < len(path) and path[in_place] == in_place:
+            in_place += 1
+        positions.append(start + len(path) - 1)
+        prefix_ends.append(start + in_place)
+        tree_keys.append([start + row for row in path[in_place:]])
+    return positions, cache_positions, prefix_ends, tree_keys
+
+
+def _tree_keys(keys_per_row: list[list[int]], device: torch.device | str) -> torch.Tensor | None:
+    """Rows' tree keys padded with -1 into [rows, E] int32; None when no row has any."""
+    width = max((len(keys) for keys in keys_per_row), default=0)
+    if width == 0:
+        return None
+    padded = [keys + [-1] * (width - len(keys)) for keys in keys_per_row]
+    return torch.tensor(padded, dtype=torch.int32, device=device)

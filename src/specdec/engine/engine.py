@@ -4,6 +4,12 @@ One `step()` runs one target forward over the ragged batch of all running sequen
 contributes its last token plus its draft tokens (none when it does not speculate); the verifier turns
 the logits into accepted drafts plus one recovered or bonus token; rejected positions are rolled back by
 simply not advancing the sequence's cache length (the cache is indexed by position).
+
+Greedy sequences may verify a token tree instead of a chain (Draft.tree): its nodes are written at scratch
+cache positions after the last token, the verifier walks the tree along the target's argmax, and the
+accepted path is compacted into consecutive cache positions. The draft length k bounds each branch's
+depth; the tree's node count is capped by the sequence's share of max_verify_tokens rows
+(max_verify_tokens // batch size - 1, at least k). Sampled sequences verify the first branch as a chain.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import torch
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.tree import DraftTree
 from specdec.engine.batch import ForwardBatch
 from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
@@ -23,6 +30,7 @@ from specdec.engine.sequence import Sequence, TokenKind, new_sequence
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
 from specdec.verify.rejection import VerifyResult, verify_greedy, verify_rejection
+from specdec.verify.tree import TreeVerifyResult, verify_greedy_tree
 from specdec.verify.sampling import logits_to_probs, make_generator, sample
 
 EMPTY_DRAFT = Draft(token_ids=(), draft_probs=None)
@@ -74,6 +82,7 @@ class Engine:
         self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device)
         self.drafter = drafter
         self.draft_policy = draft_policy or BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)
+        self.max_verify_tokens = max_verify_tokens
         self.prefill_chunk = prefill_chunk
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -169,24 +178,27 @@ class Engine:
     def _decode_step(self, seqs: list[Sequence]) -> list[StepOutput]:
         start = time.perf_counter()
         drafts = self._propose(seqs)
+        trees = [_verified_tree(seq, draft) for seq, draft in zip(seqs, drafts)]
         drafted = time.perf_counter()
         batch = ForwardBatch.build(
-            [[seq.last_token_id, *draft.token_ids] for seq, draft in zip(seqs, drafts)],
+            [[seq.last_token_id, *(tree or draft).token_ids] for seq, draft, tree in zip(seqs, drafts, trees)],
             [seq.num_cached for seq in seqs],
             [seq.slot for seq in seqs],
             all_logits=True,
             device=self.model.device,
+            parents=[None if tree is None else [-1, *(parent + 1 for parent in tree.parents)] for tree in trees],
         )
-        logits_per_seq = batch.split_logits(self.model.forward(batch, self.cache))  # each [k_i + 1, vocab]
+        logits_per_seq = batch.split_logits(self.model.forward(batch, self.cache))  # each [rows_i, vocab]
         verified_at = time.perf_counter()
-        results = [self._verify(seq, draft, logits) for seq, draft, logits in zip(seqs, drafts, logits_per_seq)]
+        results = [self._verify(seq, draft, tree, logits)
+                   for seq, draft, tree, logits in zip(seqs, drafts, trees, logits_per_seq)]
         done = time.perf_counter()
         step_times = (drafted - start, verified_at - drafted, done - verified_at)
         self._record_times(self.metrics, step_times)
         self.draft_policy.observe_step(StepCost(len(batch.token_ids), tuple(len(d.token_ids) for d in drafts),
                                                 step_times[0], step_times[1]))
-        return [self._commit(seq, draft, result, step_times, logits)
-                for seq, draft, result, logits in zip(seqs, drafts, results, logits_per_seq)]
+        return [self._commit(seq, result, step_times, _emitted_logits(result, logits))
+                for seq, result, logits in zip(seqs, results, logits_per_seq)]
 
     def _propose(self, seqs: list[Sequence]) -> list[Draft]:
         speculating = [seq for seq in seqs if seq.speculative]
@@ -195,24 +207,33 @@ class Engine:
         if any(lengths):
             budgets = [seq.max_draft_tokens(k) for seq, k in zip(speculating, lengths)]
             proposed = self.drafter.propose([seq.request_id for seq in speculating], budgets)
-            drafts = {seq.request_id: draft for seq, draft in zip(speculating, proposed)}
+            node_budget = max(max(lengths), self.max_verify_tokens // len(seqs) - 1)
+            drafts = {seq.request_id: _cap_tree(draft, seq.max_draft_tokens(node_budget))
+                      for seq, draft in zip(speculating, proposed)}
         return [drafts.get(seq.request_id, EMPTY_DRAFT) for seq in seqs]
 
-    def _verify(self, seq: Sequence, draft: Draft, target_logits: torch.Tensor) -> VerifyResult:
-        """target_logits [k+1, vocab]."""
+    def _verify(self, seq: Sequence, draft: Draft, tree: DraftTree | None,
+                target_logits: torch.Tensor) -> VerifyResult | TreeVerifyResult:
+        """target_logits [k+1, vocab] for a chain, [nodes+1, vocab] for a tree."""
+        if tree is not None:
+            return verify_greedy_tree(tree, target_logits)
         if seq.params.greedy:
             return verify_greedy(draft.token_ids, target_logits)
         target_probs = logits_to_probs(target_logits, seq.params)  # [k+1, vocab]
         return verify_rejection(draft.token_ids, draft.draft_probs, target_probs, seq.generator)
 
-    def _commit(self, seq: Sequence, draft: Draft, result: VerifyResult, step_times, target_logits: torch.Tensor) -> StepOutput:
-        """Appends the verified tokens (stopping early at EOS/stop/length exactly like plain decoding)."""
-        num_drafted = len(draft.token_ids)
+    def _commit(self, seq: Sequence, result: VerifyResult | TreeVerifyResult, step_times,
+                target_logits: torch.Tensor) -> StepOutput:
+        """Appends the verified tokens (stopping early at EOS/stop/length exactly like plain decoding).
+
+        target_logits [>= len(result.token_ids), vocab]: row i is the distribution token i was chosen from.
+        """
+        num_drafted = result.num_drafted
         kinds = [TokenKind.ACCEPTED] * result.accepted_count
         if num_drafted == 0:
             kinds.append(TokenKind.TARGET)
         else:
-            kinds.append(TokenKind.BONUS if result.accepted_count == num_drafted else TokenKind.RECOVERED)
+            kinds.append(TokenKind.BONUS if result.bonus else TokenKind.RECOVERED)
         new_ids, new_kinds, new_text = [], [], ""
         for token_id, kind in zip(result.token_ids, kinds):
             new_text += seq.append(token_id, kind)
@@ -220,6 +241,8 @@ class Engine:
             new_kinds.append(kind)
             if seq.finished:
                 break
+        if isinstance(result, TreeVerifyResult):
+            self._compact_path(seq, result.accepted_nodes)
         seq.num_cached += len(new_ids)  # the last token and the accepted drafts now have valid cache entries
         if seq.speculative:
             if num_drafted:
@@ -230,6 +253,13 @@ class Engine:
                 self.drafter.observe(seq.request_id, new_ids)
         return StepOutput(seq.request_id, tuple(new_ids), tuple(new_kinds), new_text, seq.finish_reason,
                           token_logprobs(target_logits, new_ids, seq.params.logprobs))
+
+    def _compact_path(self, seq: Sequence, accepted_nodes: tuple[int, ...]) -> None:
+        """Moves the accepted tree path from its scratch cache positions to consecutive positions."""
+        start = seq.num_cached + 1  # node i was written at start + i; depth d belongs at start + d
+        moves = [(start + node, start + depth) for depth, node in enumerate(accepted_nodes) if node != depth]
+        if moves:
+            self.cache.compact(seq.slot, [src for src, _ in moves], [dst for _, dst in moves])
 
     @staticmethod
     def _record_times(metrics: SpecDecodeMetrics, step_times: tuple[float, float, float]) -> None:
@@ -245,6 +275,26 @@ class Engine:
             seq.slot = -1
             if seq.speculative:
                 self.drafter.remove_request(seq.request_id)
+
+
+def _verified_tree(seq: Sequence, draft: Draft) -> DraftTree | None:
+    """The tree to verify for a sequence: greedy sequences only (trees are greedy-only), else None."""
+    return draft.tree if seq.params.greedy and draft.tree is not None else None
+
+
+def _cap_tree(draft: Draft, max_nodes: int) -> Draft:
+    """The draft with its tree cut to max_nodes nodes (the first branch always fits: it is within k)."""
+    if draft.tree is None or draft.tree.num_nodes <= max_nodes:
+        return draft
+    tree = draft.tree.truncated(max(max_nodes, len(draft.token_ids)))
+    return Draft(draft.token_ids, draft.draft_probs, None if tree.is_chain() else tree)
+
+
+def _emitted_logits(result: VerifyResult | TreeVerifyResult, target_logits: torch.Tensor) -> torch.Tensor:
+    """target_logits [rows, vocab] -> the rows the emitted tokens were chosen from, in order."""
+    if isinstance(result, TreeVerifyResult):
+        return target_logits[result.logits_rows()]
+    return target_logits
 
 
 def token_logprobs(target_logits: torch.Tensor, token_ids: list[int], num_top: int | None) -> tuple[TokenLogprob, ...] | None:

@@ -23,6 +23,10 @@ class SpecDecodeMetrics:
       mean_accepted_length       τ = 1 + accepted_tokens / verify_steps = tokens emitted per verify step,
                                  including the recovered or bonus token
       position_acceptance_rates  [accepted_per_position[i] / drafted_per_position[i] for each position i]
+
+    Token trees: k is the tree's depth (its longest branch) and position i is depth i; accepted_count is the
+    length of the accepted path. So α of a tree counts drafted depths, not nodes (a tree of 20 nodes and
+    depth 5 whose path of 3 is accepted records 5 drafted, 3 accepted).
     """
 
     verify_steps: int = 0

@@ -319,30 +319,37 @@ def attention(
     key_start: torch.Tensor,
     key_end: torch.Tensor,
     scale: float,
+    extra_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Range attention.
+    """Range attention, optionally followed by a list of extra keys per row (tree attention).
 
-    q [M, Hq, D]; k_cache, v_cache [S, Hkv, L, D]; slots, key_start, key_end int32 [M].
-    Row m attends keys ``key_start[m] .. key_end[m]-1`` of slot ``slots[m]``; head h uses
-    kv head ``h // (Hq // Hkv)``.  Returns [M, Hq, D] fp32 (zeros for an empty range).
+    q [M, Hq, D]; k_cache, v_cache [S, Hkv, L, D]; slots, key_start, key_end int32 [M];
+    extra_keys None or int32 [M, E]: cache positions, -1 = none (padding after a row's positions).
+    Row m attends the logical key sequence ``key_start[m] .. key_end[m]-1`` followed by
+    ``extra_keys[m, :]`` of slot ``slots[m]``; head h uses kv head ``h // (Hq // Hkv)``.  On the CPU
+    kernel a row's result is bitwise the one the same keys give stored contiguously (a tree row equals
+    the chain row of its path).  Returns [M, Hq, D] fp32 (zeros for an empty key sequence).
     """
     if q.is_cpu:
         ext = _load()
         if ext is not None:
-            return ext.attention(q, k_cache, v_cache, slots, key_start, key_end, float(scale))
-    return _attention_torch(q, k_cache, v_cache, slots, key_start, key_end, scale)
+            return ext.attention(q, k_cache, v_cache, slots, key_start, key_end, float(scale), extra_keys)
+    return _attention_torch(q, k_cache, v_cache, slots, key_start, key_end, scale, extra_keys)
 
 
-def _attention_torch(q, k_cache, v_cache, slots, key_start, key_end, scale) -> torch.Tensor:
+def _attention_torch(q, k_cache, v_cache, slots, key_start, key_end, scale, extra_keys=None) -> torch.Tensor:
     m, hq, d = q.shape
     _, hkv, length, _ = k_cache.shape
     g = hq // hkv
     slots = slots.to(device=q.device, dtype=torch.long)
     n = int((key_end - key_start).max().item()) if m else 0
-    if n <= 0:
+    pos = key_start.to(device=q.device, dtype=torch.long)[:, None] + torch.arange(max(n, 0), device=q.device)
+    valid = pos < key_end.to(device=q.device, dtype=torch.long)[:, None]  # [M, n]
+    if extra_keys is not None and extra_keys.shape[1]:
+        extra = extra_keys.to(device=q.device, dtype=torch.long)  # [M, E]
+        pos, valid = torch.cat([pos, extra.clamp(min=0)], dim=1), torch.cat([valid, extra >= 0], dim=1)
+    if pos.shape[1] == 0 or not bool(valid.any()):
         return torch.zeros(m, hq, d, dtype=torch.float32, device=q.device)
-    pos = key_start.to(device=q.device, dtype=torch.long)[:, None] + torch.arange(n, device=q.device)
-    valid = pos < key_end.to(device=q.device, dtype=torch.long)[:, None]
     pos = pos.clamp(max=length - 1)
     # gather [M, Hkv, n, D]
     k = k_cache.float()[slots[:, None, None], torch.arange(hkv, device=q.device)[None, :, None], pos[:, None, :]]

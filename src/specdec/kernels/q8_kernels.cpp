@@ -222,13 +222,17 @@ void dot_row_scalar(const uint8_t* w, int64_t cs, const int8_t* x, const int32_t
   *y = v;
 }
 
-// scalar attention for one (row, head)
-void attn_row_scalar(const float* q, const float* Kb, const float* Vb, int64_t n, int64_t D, float scale,
-                     float* out, float* sbuf) {
+// scalar attention for one (row, head) over n keys; key j is at cache position key_pos(j) of K / V
+// (which point at position 0 of the (slot, kv head)).  The operation sequence depends only on the
+// keys' order, not on where they are stored: a tree row whose keys are a prefix range plus its
+// ancestors gives bitwise the result of the same keys stored contiguously.
+template <class KeyPos>
+void attn_keys_scalar(const float* q, const float* K, const float* V, int64_t n, KeyPos key_pos, int64_t D,
+                      float scale, float* out, float* sbuf) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     float acc[16] = {0};
-    const float* k = Kb + j * D;
+    const float* k = K + key_pos(j) * D;
     for (int64_t d0 = 0; d0 < D; d0 += 16)
       for (int l = 0; l < 16 && d0 + l < D; ++l) acc[l] = std::fma(q[d0 + l], k[d0 + l], acc[l]);
     const float s = hsum16_scalar(acc) * scale;
@@ -245,11 +249,24 @@ void attn_row_scalar(const float* q, const float* Kb, const float* Vb, int64_t n
   const float sum = hsum16_scalar(ps);
   for (int64_t d = 0; d < D; ++d) {
     float acc = 0.0f;
-    for (int64_t j = 0; j < n; ++j) acc = std::fma(sbuf[j], Vb[j * D + d], acc);
+    for (int64_t j = 0; j < n; ++j) acc = std::fma(sbuf[j], V[key_pos(j) * D + d], acc);
     out[d] = acc / sum;
   }
 }
 
+// scalar attention for one (row, head) over the contiguous keys [a, b)
+void attn_row_scalar(const float* q, const float* K, const float* V, int64_t a, int64_t b, int64_t D, float scale,
+                     float* out, float* sbuf) {
+  attn_keys_scalar(q, K, V, b - a, [a](int64_t j) { return a + j; }, D, scale, out, sbuf);
+}
+
+// scalar attention for one (row, head) over the logical keys [a, b) then extra[0 .. ne)
+void attn_tree_row_scalar(const float* q, const float* K, const float* V, int64_t a, int64_t b, const int32_t* extra,
+                          int64_t ne, int64_t D, float scale, float* out, float* sbuf) {
+  const int64_t np = b - a;
+  attn_keys_scalar(q, K, V, np + ne, [a, np, extra](int64_t j) { return j < np ? a + j : int64_t(extra[j - np]); },
+                   D, scale, out, sbuf);
+}
 
 // Gated activation of one element: act(gate) * up with act = GELU (tanh form) or SiLU, both written
 // as x * sigmoid(z) = x / (1 + exp(-z)) (GELU-tanh: z = 2 * sqrt(2/pi) * (x + 0.044715 x^3));
@@ -602,8 +619,30 @@ static inline void clip_key_ranges(const int32_t* a, const int32_t* b, int64_t n
   }
 }
 
-void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const int32_t* b, float* const* outs,
-                   const float* K, const float* V, int64_t D, float scale, int64_t lds, float* scratch) {
+// scores s[0 .. n) -> exp(s - max) in place; returns their sum (16-lane partial sums, then hsum16)
+inline float softmax_numerators_avx(float* s, int64_t n) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
+    mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, s + j0));
+  }
+  const __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 ps = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(mk, exp16_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j0), mxv)));
+    _mm512_mask_storeu_ps(s + j0, mk, e);
+    ps = _mm512_add_ps(ps, e);
+  }
+  return hsum16_avx(ps);
+}
+
+// Extra keys (tree rows): pair r then attends ne[r] more keys at cache positions ex[r][0 .. ne[r]) after its
+// range, each scored alone (scores_avx<1>) into the score buffer right after the range's scores and added
+// to P @ V after the range's keys, in that order: the pair's keys in logical order, as attn_tree_row_scalar.
+void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const int32_t* b, const int32_t* const* ex,
+                   const int64_t* ne, float* const* outs, const float* K, const float* V, int64_t D, float scale,
+                   int64_t lds, float* scratch) {
   // sb[r] is indexed by the absolute key position: sb[r] + a[r] is the pair's score buffer
   std::vector<float*> sb(P), acc(P);
   int64_t jlo = INT64_MAX, jhi = 0;
@@ -641,25 +680,12 @@ void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const in
       }
     }
   }
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t e = 0; e < ne[r]; ++e) scores_avx<1>(qs[r], K + int64_t(ex[r][e]) * D, D, scale, sb[r] + b[r] + e);
   // softmax numerators and sums, per pair (same as before)
   std::vector<float> sums(P);
   for (int64_t r = 0; r < P; ++r) {
-    float* s = sb[r] + a[r];
-    const int64_t n = b[r] - a[r];
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
-      mv = _mm512_mask_max_ps(mv, mk, mv, _mm512_maskz_loadu_ps(mk, s + j0));
-    }
-    const __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 ps = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      const __mmask16 mk = n - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j0)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(mk, exp16_avx(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j0), mxv)));
-      _mm512_mask_storeu_ps(s + j0, mk, e);
-      ps = _mm512_add_ps(ps, e);
-    }
-    sums[r] = hsum16_avx(ps);
+    sums[r] = softmax_numerators_avx(sb[r] + a[r], b[r] - a[r] + ne[r]);
     std::fill(acc[r], acc[r] + D, 0.0f);
   }
   // pass 2: P @ V, per pair sequential over keys in ascending order
@@ -680,6 +706,8 @@ void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const in
         if (c1 < hi[i]) pv_avx(sb[r0 + i] + c1, V + c1 * D, hi[i] - c1, D, acc[r0 + i]);
     }
   }
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t e = 0; e < ne[r]; ++e) pv_avx(sb[r] + b[r] + e, V + int64_t(ex[r][e]) * D, 1, D, acc[r]);
   for (int64_t r = 0; r < P; ++r) {
     const __m512 sv = _mm512_set1_ps(sums[r]);
     for (int64_t d = 0; d < D; d += 16)
@@ -818,7 +846,7 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
 
 torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
                         const torch::Tensor& slots_in, const torch::Tensor& start_in, const torch::Tensor& end_in,
-                        double scale_d) {
+                        double scale_d, const c10::optional<torch::Tensor>& extra_in) {
   TORCH_CHECK(q_in.dim() == 3, "attention: q must be [M, Hq, D]");
   TORCH_CHECK(k_in.dim() == 4 && v_in.dim() == 4, "attention: caches must be [S, Hkv, L, D]");
   TORCH_CHECK(k_in.sizes() == v_in.sizes(), "attention: k_cache and v_cache shapes differ");
@@ -838,11 +866,26 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   const int32_t* sp = slots.data_ptr<int32_t>();
   const int32_t* a = ks.data_ptr<int32_t>();
   const int32_t* b = ke.data_ptr<int32_t>();
+  // extra keys (tree rows): row m then attends [a[m], b[m]) followed by extra[m, 0 .. ne[m]) (cache
+  // positions, the leading non-negative entries of the row; -1 pads)
+  torch::Tensor extra;
+  int64_t E = 0;
+  if (extra_in.has_value() && extra_in->defined()) {
+    extra = i32(*extra_in);
+    TORCH_CHECK(extra.dim() == 2 && extra.size(0) == M, "attention: extra_keys must be [M, E]");
+    E = extra.size(1);
+  }
+  const int32_t* ep = E ? extra.data_ptr<int32_t>() : nullptr;
+  std::vector<int64_t> ne(M, 0);
   int64_t maxn = 0;
   for (int64_t m = 0; m < M; ++m) {
     TORCH_CHECK(sp[m] >= 0 && sp[m] < S, "attention: slot out of range");
     TORCH_CHECK(a[m] >= 0 && b[m] <= Lmax, "attention: key range out of bounds");
-    maxn = std::max<int64_t>(maxn, b[m] - a[m]);
+    while (ne[m] < E && ep[m * E + ne[m]] >= 0) {
+      TORCH_CHECK(ep[m * E + ne[m]] < Lmax, "attention: extra key position out of bounds");
+      ++ne[m];
+    }
+    maxn = std::max<int64_t>(maxn, std::max<int64_t>(0, b[m] - a[m]) + ne[m]);
   }
   auto out = torch::empty({M, Hq, D}, q.options());
   if (M == 0 || Hq == 0) return out;
@@ -861,11 +904,12 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   std::vector<int64_t> order(M);
   for (int64_t m = 0; m < M; ++m) order[m] = m;
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return sp[x] < sp[y]; });
-  std::vector<int64_t> run_start;  // runs of rows with the same slot and a non-empty range
+  std::vector<int64_t> run_start;  // runs of rows with the same slot and a non-empty key sequence
   std::vector<int64_t> rows;
   for (int64_t i = 0; i < M; ++i) {
     const int64_t m = order[i];
-    if (b[m] <= a[m]) {
+    TORCH_CHECK(ne[m] == 0 || b[m] >= a[m], "attention: a row with extra keys needs key_end >= key_start");
+    if (b[m] <= a[m] && ne[m] == 0) {
       std::fill(op + m * Hq * D, op + (m + 1) * Hq * D, 0.0f);
       continue;
     }
@@ -888,6 +932,8 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   std::vector<const float*> pq(npairs);
   std::vector<float*> po(npairs);
   std::vector<int32_t> pa(npairs), pb(npairs);
+  std::vector<const int32_t*> pe(npairs);  // the pair's extra keys (tree rows)
+  std::vector<int64_t> pne(npairs);
   struct Item {
     int64_t p0, np;
     const float *K, *V;
@@ -905,6 +951,8 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
           po[idx] = op + (m * Hq + h) * D;
           pa[idx] = a[m];
           pb[idx] = b[m];
+          pe[idx] = ne[m] ? ep + m * E : nullptr;
+          pne[idx] = ne[m];
         }
       }
       const int64_t base = (slot * Hkv + kvh) * Lmax * D;
@@ -918,15 +966,18 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
 #ifdef SPECDEC_X86
     if (avx) {
       float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(it.np * (lds + D) + 16) * 4));
-      attn_item_avx(it.np, pq.data() + it.p0, pa.data() + it.p0, pb.data() + it.p0, po.data() + it.p0, it.K, it.V,
-                    D, scale, lds, sbuf);
+      attn_item_avx(it.np, pq.data() + it.p0, pa.data() + it.p0, pb.data() + it.p0, pe.data() + it.p0,
+                    pne.data() + it.p0, po.data() + it.p0, it.K, it.V, D, scale, lds, sbuf);
       return;
     }
 #endif
     float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(lds + 16) * 4));
-    for (int64_t r = it.p0; r < it.p0 + it.np; ++r)
-      attn_row_scalar(pq[r], it.K + int64_t(pa[r]) * D, it.V + int64_t(pa[r]) * D, pb[r] - pa[r], D, scale, po[r],
-                      sbuf);
+    for (int64_t r = it.p0; r < it.p0 + it.np; ++r) {
+      if (pne[r])
+        attn_tree_row_scalar(pq[r], it.K, it.V, pa[r], pb[r], pe[r], pne[r], D, scale, po[r], sbuf);
+      else
+        attn_row_scalar(pq[r], it.K, it.V, pa[r], pb[r], D, scale, po[r], sbuf);
+    }
   };
   const int64_t nitems = int64_t(items.size());
   const int64_t workers = std::min(nth, nitems);
@@ -1070,7 +1121,9 @@ std::string isa() { return use_avx() ? "avx512vnni" : "scalar"; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "int8 weight x Q8_0 activation linear (row invariant)");
-  m.def("attention", &attention, "range attention (row invariant)");
+  m.def("attention", &attention, "range attention (row invariant), optionally followed by extra keys per row",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("key_start"),
+        py::arg("key_end"), py::arg("scale"), py::arg("extra_keys") = py::none());
   m.def("rms_norm", &rms_norm, "row-wise RMS norm (row invariant)");
   m.def("qk_norm_rope", &qk_norm_rope, "split q/k from fused qkv, optional QK-norm, rotate-half RoPE");
   m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate_up projection (elementwise)");

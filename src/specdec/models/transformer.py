@@ -99,12 +99,18 @@ class Transformer:
             linears += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
         return sum(linear.nbytes() for linear in linears)
 
-    def key_ranges(self, batch: ForwardBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer type, the [start, end) cache positions each row attends (causal, sliding window)."""
-        key_end = (batch.positions + 1).to(torch.int32)  # [rows]
-        ranges = {"full": (torch.zeros_like(key_end), key_end)}
+    def key_ranges(self, batch: ForwardBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Per layer type, the keys each row attends: the cache positions [start, end) then the tree keys.
+
+        Causal, and for sliding layers the window covers the last `sliding_window` logical positions
+        (RoPE positions): a tree row's path keys sit at logical positions prefix_end, prefix_end + 1, ...
+        """
+        key_end = batch.prefix_ends  # [rows] int32
+        ranges = {"full": (torch.zeros_like(key_end), key_end, batch.tree_keys)}
         if self.config.sliding_window:
-            ranges["sliding"] = ((key_end - self.config.sliding_window).clamp(min=0), key_end)
+            window_start = (batch.positions + 1 - self.config.sliding_window).clamp(min=0).to(torch.int32)  # [rows]
+            ranges["sliding"] = (torch.minimum(window_start, key_end), key_end,
+                                 _drop_leading_keys(batch.tree_keys, window_start - key_end))
         return ranges
 
     @torch.inference_mode()
@@ -137,9 +143,10 @@ class Transformer:
         value = qkv[:, q_size + kv_size :].reshape(rows, config.num_kv_heads, config.head_dim)
         cos, sin = self.rotary[config.layer_rope_theta(index)].tables(max_position)  # each [>= max_position + 1, D]
         query, key = qk_norm_rope(qkv, self.qk_shape, layer.q_norm, layer.k_norm, cos, sin, batch.positions)
-        cache.write(index, batch.slots, batch.positions, key, value)
-        key_start, key_end = key_range
-        context = attention(query.contiguous(), cache.keys[index], cache.values[index], slots32, key_start, key_end, config.scale)
+        cache.write(index, batch.slots, batch.cache_positions, key, value)
+        key_start, key_end, tree_keys = key_range
+        context = attention(query.contiguous(), cache.keys[index], cache.values[index], slots32, key_start, key_end,
+                            config.scale, tree_keys)
         out = layer.o_proj(context.reshape(rows, q_size))  # [rows, hidden]
         if layer.post_attn_norm is not None:
             out = rms_norm(out, layer.post_attn_norm, config.rms_norm_eps)
@@ -151,3 +158,13 @@ class Transformer:
         if layer.post_ffn_norm is not None:
             out = rms_norm(out, layer.post_ffn_norm, self.config.rms_norm_eps)
         return out
+
+
+def _drop_leading_keys(tree_keys: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor | None:
+    """tree_keys [rows, E] int32 (-1 pads) without each row's first max(0, counts[row]) keys."""
+    if tree_keys is None:
+        return None
+    rows, width = tree_keys.shape
+    padded = torch.cat([tree_keys, tree_keys.new_full((rows, 1), -1)], dim=1)  # [rows, E + 1]
+    index = (torch.arange(width, device=tree_keys.device) + counts.clamp(min=0).long()[:, None]).clamp(max=width)
+    return padded.gather(1, index)

@@ -1,0 +1,93 @@
+"""Token trees: several draft branches merged by their shared prefixes, verified in one target forward.
+
+Node i holds one draft token; ``parents[i]`` is the index of its parent node, or -1 when the node follows
+the request's last committed token directly (a root child). Parents come first (``parents[i] < i``).
+The nodes of the first branch are nodes 0, 1, ..., so node d of the first branch sits at depth d: the
+first branch is the request's chain draft (``Draft.token_ids``), and the tree's other branches add nodes
+after it. A chain is the tree whose nodes are all on the first branch.
+
+Trees are greedy-only: the greedy verifier follows, from the root, the child whose token equals the
+target's argmax (verify.tree.verify_greedy_tree). Sampled requests verify the first branch as a chain.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    token_ids: tuple[int, ...]  # [nodes] draft token of each node
+    parents: tuple[int, ...]  # [nodes] parent node index, -1 = child of the last committed token
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.parents):
+            raise ValueError(f"DraftTree has {len(self.token_ids)} tokens but {len(self.parents)} parents")
+        bad = [(i, p) for i, p in enumerate(self.parents) if not -1 <= p < i]
+        if bad:
+            raise ValueError(f"DraftTree parents must satisfy -1 <= parents[i] < i, got (node, parent) {bad[:5]}")
+        children = set()
+        for i, (token_id, parent) in enumerate(zip(self.token_ids, self.parents)):
+            if (parent, token_id) in children:
+                raise ValueError(f"DraftTree node {i} repeats token {token_id} under parent {parent}")
+            children.add((parent, token_id))
+
+    @classmethod
+    def from_branches(cls, branches: Sequence[Sequence[int]], max_nodes: int | None = None) -> "DraftTree":
+        """Merges branches (token sequences) by shared prefixes, in order; the first branch comes first.
+
+        max_nodes: stop adding nodes once the tree has this many (later branches are cut or dropped).
+        """
+        token_ids: list[int] = []
+        parents: list[int] = []
+        child_by_token: dict[tuple[int, int], int] = {}
+        for branch in branches:
+            parent = -1
+            for token_id in branch:
+                node = child_by_token.get((parent, int(token_id)))
+                if node is None:
+                    if max_nodes is not None and len(token_ids) >= max_nodes:
+                        break
+                    node = len(token_ids)
+                    token_ids.append(int(token_id))
+                    parents.append(parent)
+                    child_by_token[(parent, int(token_id))] = node
+                parent = node
+        return cls(tuple(token_ids), tuple(parents))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token_ids)
+
+    def depths(self) -> list[int]:
+        """[nodes] depth of each node; a root child has depth 0."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    def first_branch(self) -> tuple[int, ...]:
+        """The chain of nodes 0, 1, ... each the child of the previous: the tokens of the first branch."""
+        length = 0
+        while length < self.num_nodes and self.parents[length] == length - 1:
+            length += 1
+        return self.token_ids[:length]
+
+    def is_chain(self) -> bool:
+        return len(self.first_branch()) == self.num_nodes
+
+    def path(self, node: int) -> list[int]:
+        """Nodes from the root child down to `node` (inclusive), in depth order."""
+        nodes = []
+        while node >= 0:
+            nodes.append(node)
+            node = self.parents[node]
+        return nodes[::-1]
+
+    def children(self, node: int) -> list[int]:
+        """Child nodes of `node` (-1 = the root), in node order."""
+        return [i for i, parent in enumerate(self.parents) if parent == node]
+
+    def truncated(self, max_nodes: int) -> "DraftTree":
+        """The first max_nodes nodes (still a tree: parents come first)."""
+        return DraftTree(self.token_ids[:max_nodes], self.parents[:max_nodes])
