@@ -15,7 +15,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
-from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.base import Draft, Drafter, HiddenStateDrafter
 from specdec.engine.batch import ForwardBatch
 from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy
 from specdec.engine.metrics import SpecDecodeMetrics
@@ -73,6 +73,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device)
         self.drafter = drafter
+        self._hidden_drafter = drafter if isinstance(drafter, HiddenStateDrafter) else None
         self.draft_policy = draft_policy or BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)
         self.prefill_chunk = prefill_chunk
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -134,10 +135,12 @@ class Engine:
             return []
         batch = ForwardBatch.build([chunk for _, chunk in chunks], [seq.num_cached for seq, _ in chunks],
                                    [seq.slot for seq, _ in chunks], all_logits=False, device=self.model.device)
-        last_logits = self.model.forward(batch, self.cache)  # [len(chunks), vocab]
+        last_logits, hidden_per_seq = self._forward(batch)  # [len(chunks), vocab]
         outputs = []
         for row, (seq, chunk) in enumerate(chunks):
             seq.num_cached += len(chunk)
+            if hidden_per_seq is not None and seq.speculative:
+                self._hidden_drafter.observe_target_hidden(seq.request_id, hidden_per_seq[row])
             if not seq.prefilling:
                 outputs.append(self._first_token(seq, last_logits[row : row + 1]))
         return outputs
@@ -177,14 +180,28 @@ class Engine:
             all_logits=True,
             device=self.model.device,
         )
-        logits_per_seq = batch.split_logits(self.model.forward(batch, self.cache))  # each [k_i + 1, vocab]
+        logits, hidden_per_seq = self._forward(batch)
+        logits_per_seq = batch.split_logits(logits)  # each [k_i + 1, vocab]
         verified_at = time.perf_counter()
         results = [self._verify(seq, draft, logits) for seq, draft, logits in zip(seqs, drafts, logits_per_seq)]
         done = time.perf_counter()
         step_times = (drafted - start, verified_at - drafted, done - verified_at)
         self._record_times(self.metrics, step_times)
-        return [self._commit(seq, draft, result, step_times, logits)
-                for seq, draft, result, logits in zip(seqs, drafts, results, logits_per_seq)]
+        outputs = [self._commit(seq, draft, result, step_times, logits)
+                   for seq, draft, result, logits in zip(seqs, drafts, results, logits_per_seq)]
+        if hidden_per_seq is not None:
+            for seq, output, hidden in zip(seqs, outputs, hidden_per_seq):
+                if seq.speculative and not seq.finished:  # rows of the last token + the accepted drafts
+                    self._hidden_drafter.observe_target_hidden(seq.request_id, hidden[: len(output.new_token_ids)])
+        return outputs
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Target logits [logit rows, vocab], plus each sequence's hidden rows [rows_i, hidden] when the
+        drafter reads hidden states (None otherwise: plain forward, nothing extra computed)."""
+        if self._hidden_drafter is None:
+            return self.model.forward(batch, self.cache), None
+        output = self.model.forward_hidden(batch, self.cache)
+        return output.logits, list(output.hidden.split(list(batch.row_counts)))
 
     def _propose(self, seqs: list[Sequence]) -> list[Draft]:
         speculating = [seq for seq in seqs if seq.speculative]
