@@ -64,7 +64,7 @@ def small_vocab_target(make_tiny_model, tiny_tokenizer):
     return target, sequences, exact_distribution_of_tokens_2_and_3(target, SamplingParams(**CHI_PARAMS))
 
 
-@pytest.mark.parametrize("method, draft_vocab", [("eagle", SMALL_VOCAB), ("eagle", 5), ("medusa", 5)])
+@pytest.mark.parametrize("method, draft_vocab", [("eagle", 5), ("medusa", 5)])  # 5 of 8 tokens: reduced head
 def test_sampling_with_a_head_matches_target_distribution(small_vocab_target, tiny_tokenizer, method, draft_vocab):
     target, sequences, joint = small_vocab_target
     trainer = train(target, tiny_tokenizer, method, steps=15, draft_vocab_size=draft_vocab, sequences=sequences)
