@@ -108,7 +108,7 @@ class EagleDrafter(_HeadDrafter):
         predicted = self._consume_pending([states[i] for i in active])  # [active, hidden]
         step = 0
         while active:
-            for row, (token_id, token_probs) in zip(range(len(active)), self._draft_tokens([states[i] for i in active], predicted)):
+            for row, (token_id, token_probs) in enumerate(self._draft_tokens([states[i] for i in active], predicted)):
                 drafted[active[row]].append(token_id)
                 if token_probs is not None:
                     probs[active[row]].append(token_probs)
