@@ -171,3 +171,13 @@ def test_head_config_rejects_inconsistent_shapes():
                    draft_vocab_size=301, num_medusa_heads=2)
     with pytest.raises(ValueError, match="unknown draft-head method 'hydra'"):
         HeadConfig(method="hydra", target_name="t", target_fingerprint="f", hidden_size=64, vocab_size=300, draft_vocab_size=3)
+
+
+def test_adaptive_policy_charges_the_head_by_its_weight_bytes(trained, make_tiny_model):
+    from specdec.engine.adaptive import _cached_cost_model
+
+    model = make_tiny_model("qwen2")
+    eagle = _cached_cost_model(model, make_head_drafter(trained("qwen2", "eagle"), model), None, "q8", 32).drafter
+    medusa = _cached_cost_model(model, make_head_drafter(trained("qwen2", "medusa"), model), None, "q8", 32).drafter
+    assert eagle.per_token_s > 0 and eagle.batched  # one head forward per draft position
+    assert medusa.per_token_s == 0 and medusa.per_step_s > 0  # all heads in one forward

@@ -31,10 +31,16 @@ class _HeadState:
     slot: int = -1  # EAGLE head KV-cache slot
 
 
-class _HeadDrafter(HiddenStateDrafter):
-    """Request bookkeeping shared by the EAGLE and Medusa drafters."""
+class HeadDrafter(HiddenStateDrafter):
+    """Request bookkeeping shared by the EAGLE and Medusa drafters.
 
-    def __init__(self, parts: TargetParts, vocab_size: int) -> None:
+    forward_per_draft_token: EAGLE runs its head once per draft position; Medusa once per step (cost model).
+    """
+
+    forward_per_draft_token: bool
+
+    def __init__(self, head: EagleHead | MedusaHeads, parts: TargetParts, vocab_size: int) -> None:
+        self.head = head.eval()
         self.parts = parts
         self.vocab_size = vocab_size
         self.states: dict[str, _HeadState] = {}
@@ -42,6 +48,12 @@ class _HeadDrafter(HiddenStateDrafter):
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     generator: torch.Generator | None) -> None:
         self.states[request_id] = _HeadState(params, generator, list(prompt_token_ids))
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of weights one head forward reads: the head's parameters and the draft lm_head rows."""
+        parameters = sum(p.numel() * p.element_size() for p in self.head.parameters())
+        return parameters + self.parts.draft_lm_head.numel() * self.parts.draft_lm_head.element_size()
 
     def _state(self, request_id: str) -> _HeadState:
         if request_id not in self.states:
@@ -80,14 +92,15 @@ def _drafts(drafted: list[list[int]], probs: list[list[torch.Tensor]]) -> list[D
     return [Draft(tuple(tokens), torch.cat(p) if p else None) for tokens, p in zip(drafted, probs)]
 
 
-class EagleDrafter(_HeadDrafter):
+class EagleDrafter(HeadDrafter):
     """Step 0 feeds every pair (hidden(t), token(t + 1)) the head cache lacks and drafts from the last row;
     step j feeds (predicted state, draft j) at the next position. Afterwards only the real pairs count as
     cached (rollback by length): the next step's real hidden rows overwrite the drafted positions."""
 
+    forward_per_draft_token = True
+
     def __init__(self, head: EagleHead, parts: TargetParts, vocab_size: int, max_num_seqs: int, max_model_len: int) -> None:
-        super().__init__(parts, vocab_size)
-        self.head = head.eval()
+        super().__init__(head, parts, vocab_size)
         self.cache = KVCache(head.cache_config(), max_num_seqs, max_model_len, parts.draft_lm_head.device)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -144,13 +157,14 @@ class EagleDrafter(_HeadDrafter):
         return self.head.forward_cached(embeds, hidden, as_long(positions), as_long(slots), self.cache)
 
 
-class MedusaDrafter(_HeadDrafter):
+class MedusaDrafter(HeadDrafter):
     """Draft j (1-based) is head j's token from hidden(n - 2), the newest hidden row: it predicts token n - 1 + j,
     i.e. the j-th token after the newest committed token n - 1."""
 
+    forward_per_draft_token = False
+
     def __init__(self, heads: MedusaHeads, parts: TargetParts, vocab_size: int) -> None:
-        super().__init__(parts, vocab_size)
-        self.heads = heads.eval()
+        super().__init__(heads, parts, vocab_size)
 
     def observe_target_hidden(self, request_id: str, target_hidden: torch.Tensor) -> None:
         super().observe_target_hidden(request_id, target_hidden)
@@ -163,12 +177,12 @@ class MedusaDrafter(_HeadDrafter):
         states = [self._state(request_id) for request_id in request_ids]
         drafted: list[list[int]] = [[] for _ in states]
         probs: list[list[torch.Tensor]] = [[] for _ in states]
-        limit = self.heads.config.num_medusa_heads
+        limit = self.head.config.num_medusa_heads
         active = [i for i, (state, budget) in enumerate(zip(states, max_draft_tokens)) if budget > 0 and state.pending_hidden]
         if not active:
             return _drafts(drafted, probs)
         newest = torch.cat([states[i].pending_hidden[-1] for i in active])  # [active, hidden]
-        predicted = self.heads(newest)  # [heads, active, hidden]
+        predicted = self.head(newest)  # [heads, active, hidden]
         for head in range(min(limit, max(max_draft_tokens[i] for i in active))):
             rows = [row for row, i in enumerate(active) if head < max_draft_tokens[i]]
             chosen = [states[active[row]] for row in rows]
