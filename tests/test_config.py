@@ -44,7 +44,7 @@ def test_speculative_defaults_and_round_trip() -> None:
     ("data", "message"),
     [
         ({"method": "lookahead", "num_speculative_tokens": 2},
-         "unknown speculative method 'lookahead'; known methods: ngram, suffix, draft_model"),
+         "unknown speculative method 'lookahead'; known methods: ngram, suffix, draft_model, eagle, medusa"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1, got 0"),
         ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens must be <= 32, got 33"),
         ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens must be an int, got str"),

@@ -195,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="recommended draft length for a model on given hardware, with its reasons")
     add_plan_arguments(plan)
     plan.set_defaults(handler=cmd_plan)
+    from specdec.train.cli import add_train_draft_arguments, cmd_train_draft
+
+    train_draft = commands.add_parser("train-draft", help="train an EAGLE head or Medusa heads for a target (self-distillation)")
+    add_train_draft_arguments(train_draft)
+    train_draft.set_defaults(handler=cmd_train_draft)
     commands.add_parser("build-kernels", help="compile the CPU kernels now (otherwise done on first use)").set_defaults(
         handler=cmd_build_kernels)
     return parser

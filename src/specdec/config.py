@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "medusa")
+METHODS_WITH_MODEL = ("draft_model", "eagle", "medusa")
 METHODS_WITHOUT_DRAFT_MODEL = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_DRAFT_BRANCHES = 8
@@ -87,10 +88,12 @@ class SpeculativeConfig:
     """Which drafter proposes tokens and how many; keys follow vLLM's ``speculative_config``.
 
     vLLM's keys:
-      method: "ngram" (prompt lookup), "suffix" (suffix trie over the request and past requests) or
-          "draft_model" (a smaller model of the same tokenizer).
+      method: "ngram" (prompt lookup), "suffix" (suffix trie over the request and past requests),
+          "draft_model" (a smaller model of the same tokenizer), "eagle" (a trained EAGLE-style head that reads
+          the target's hidden states) or "medusa" (trained Medusa heads); see docs/draft-heads.md.
       num_speculative_tokens: tokens drafted per verify step, 1..32.
-      model: the draft model's name or path; required for "draft_model", rejected for "ngram" / "suffix".
+      model: the draft model's name or path for "draft_model"; the head file (``specdec train-draft --out``)
+          for "eagle" / "medusa"; rejected for "ngram" / "suffix".
       prompt_lookup_max: longest n-gram the ngram drafter tries to match (>= 1).
       prompt_lookup_min: shortest n-gram the ngram drafter tries to match (>= 1, <= prompt_lookup_max).
 
@@ -157,6 +160,9 @@ class SpeculativeConfig:
             raise ValueError(f"SpeculativeConfig.model must be a non-empty string or None, got {self.model!r}")
         if self.method == "draft_model" and self.model is None:
             raise ValueError("speculative method 'draft_model' needs 'model' (the draft model's name or path)")
+        if self.method in METHODS_WITH_MODEL and self.model is None:
+            raise ValueError(f"speculative method {self.method!r} needs 'model' (the head file written by "
+                             "`specdec train-draft`)")
         if self.method in METHODS_WITHOUT_DRAFT_MODEL and self.model is not None:
             raise ValueError(
                 f"speculative method {self.method!r} uses no draft model, but 'model' was given: {self.model!r}"

@@ -93,8 +93,10 @@ def test_injected_mismatch_fails_the_run(tiny_model_dir, spec_bench_file, tmp_pa
 
 def test_bad_arguments_exit_with_a_clear_error(tiny_model_dir, spec_bench_file, tmp_path, capsys):
     argv = ["bench", "--model", str(tiny_model_dir), "--dataset", str(spec_bench_file), "--out", str(tmp_path)]
-    assert main([*argv, "--methods", "none,medusa"]) == 2
-    assert "unknown benchmark method 'medusa'" in capsys.readouterr().err
+    assert main([*argv, "--methods", "none,lookahead"]) == 2
+    assert "unknown benchmark method 'lookahead'" in capsys.readouterr().err
+    assert main([*argv, "--methods", "none,eagle"]) == 2
+    assert "speculative method 'eagle' needs 'model' (the head file" in capsys.readouterr().err
     assert main([*argv, "--methods", "draft_model"]) == 2
     assert "no default draft" in capsys.readouterr().err
     assert main([*argv, "--categories", "nope"]) == 2

@@ -1,7 +1,7 @@
 """What the benchmark runs: method specs parsed from the command line and the Runner interface.
 
 A Runner generates greedily for one prompt (token ids, batch 1) and returns a Generation. Our methods
-(``none``, ``ngram``, ``suffix``, ``draft_model``) are SpecdecRunners, one LLM each, all sharing one loaded
+(``none``, ``ngram``, ``suffix``, ``draft_model``, ``eagle``, ``medusa``) are SpecdecRunners, one LLM each, all sharing one loaded
 target; peers (HF transformers, llama.cpp, vLLM) implement the same interface in ``peers.py``.
 """
 from __future__ import annotations
@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 REFERENCE_METHOD = "none"
-KNOWN_METHODS = (REFERENCE_METHOD, "ngram", "suffix", "draft_model")
+KNOWN_METHODS = (REFERENCE_METHOD, "ngram", "suffix", "draft_model", "eagle", "medusa")
 
 # Default speculative config per method (num_speculative_tokens = k).
 DEFAULT_METHOD_CONFIGS: dict[str, dict[str, Any]] = {
     "ngram": {"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     "suffix": {"num_speculative_tokens": 8},
     "draft_model": {"num_speculative_tokens": 4},
+    "eagle": {"num_speculative_tokens": 5},  # "model": the head file is required
+    "medusa": {"num_speculative_tokens": 4},
 }
 
 # Target -> draft model used by ``draft_model`` when the method gives no "model".

@@ -86,3 +86,18 @@ def check_propose_args(request_ids: Sequence[str], max_draft_tokens: Sequence[in
 def unknown_request_error(request_id: str, known_request_ids: Iterable[str]) -> KeyError:
     """The error every drafter raises for a request id it does not track."""
     return KeyError(f"unknown request id {request_id!r}; tracked: {sorted(known_request_ids)[:10]}")
+
+
+class HiddenStateDrafter(Drafter):
+    """A drafter that reads the target's hidden states (EAGLE, Medusa heads).
+
+    The engine runs the target with ``forward_hidden`` for such a drafter and hands it, per request, the
+    final-normed hidden rows of every newly committed position, in order, before the next ``propose``: every
+    prefill chunk's rows, and after a verify step the rows of the last token and the accepted drafts (the recovered/bonus token's row comes with the next step, once the target has read it). So at
+    ``propose`` time the drafter holds hidden(0 .. n-2) for a sequence of n committed tokens and pairs
+    hidden(t) with token(t + 1).
+    """
+
+    @abstractmethod
+    def observe_target_hidden(self, request_id: str, target_hidden: torch.Tensor) -> None:
+        """target_hidden [n, hidden] fp32: rows of the next n committed positions of the request."""

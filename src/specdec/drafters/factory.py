@@ -22,6 +22,8 @@ def build_drafter(config: SpeculativeConfig, target: Transformer, tokenizer: Tok
                              config.num_draft_branches)
     if config.method == "draft_model":
         return _build_draft_model(config, target, tokenizer, weight_format, max_model_len, max_num_seqs)
+    if config.method in ("eagle", "medusa"):
+        return build_head_drafter(config.method, config.model, target, max_model_len, max_num_seqs)
     raise ValueError(f"speculative method {config.method!r} is not implemented yet")
 
 
@@ -55,3 +57,22 @@ def check_same_vocabulary(target_tokenizer: Tokenizer, draft_tokenizer: Tokenize
             f"draft and target tokenizers differ ({len(differing)} ids differ, tokenizer sizes "
             f"{draft_tokenizer.vocab_size} vs {target_tokenizer.vocab_size}); first: {examples}"
         )
+
+
+def build_head_drafter(method: str, path: str, target: Transformer, max_model_len: int, max_num_seqs: int) -> Drafter:
+    """An EAGLE or Medusa drafter from a head file, checked against the target it was trained on."""
+    from specdec.drafters.heads import EagleDrafter, MedusaDrafter
+    from specdec.heads.config import load_head
+    from specdec.heads.modules import TargetParts, build_head
+
+    head_file = load_head(path)
+    if head_file.config.method != method:
+        raise ValueError(f"{path} is a {head_file.config.method!r} head, but the speculative method is {method!r}")
+    head_file.config.check_target(target, path)
+    head = build_head(head_file.config)
+    head.load_state_dict(head_file.state)
+    head.to(target.device)
+    parts = TargetParts.from_target(target, head_file.draft_token_ids)
+    if method == "eagle":
+        return EagleDrafter(head, parts, target.config.vocab_size, max_num_seqs, max_model_len)
+    return MedusaDrafter(head, parts, target.config.vocab_size)

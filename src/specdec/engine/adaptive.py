@@ -155,6 +155,7 @@ def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: 
 
 def _cached_cost_model(target, drafter, model_name: str | None, weight_format: str, max_verify_tokens: int) -> CostModel:
     from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.heads import HeadDrafter
     from specdec.engine.cost_model import DrafterCost, ProfileKey, load_profile
 
     forward = None
@@ -169,6 +170,11 @@ def _cached_cost_model(target, drafter, model_name: str | None, weight_format: s
         # decode is memory-bound: the draft's T(1) ≈ the target's T(1) scaled by the weight bytes streamed
         per_token = t1 * drafter.model.weight_nbytes / max(1, target.weight_nbytes)
         drafter_cost = DrafterCost(per_token_s=per_token, per_step_s=per_token, batched=True)
+    elif isinstance(drafter, HeadDrafter) and target is not None:
+        # the same bandwidth estimate for the head's weights; EAGLE runs once per draft position, Medusa once
+        per_forward = t1 * drafter.weight_nbytes / max(1, target.weight_nbytes)
+        per_token = per_forward if drafter.forward_per_draft_token else 0.0
+        drafter_cost = DrafterCost(per_token_s=per_token, per_step_s=per_forward, batched=True)
     if forward is None:
         return CostModel.fallback(max_verify_tokens, drafter_cost)
     return CostModel(forward, drafter_cost)

@@ -21,7 +21,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
-from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.base import Draft, Drafter, HiddenStateDrafter
 from specdec.drafters.tree import DraftTree
 from specdec.engine.batch import ForwardBatch
 from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy, StepCost
@@ -81,6 +81,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device)
         self.drafter = drafter
+        self._hidden_drafter = drafter if isinstance(drafter, HiddenStateDrafter) else None
         self.draft_policy = draft_policy or BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)
         self.max_verify_tokens = max_verify_tokens
         self.prefill_chunk = prefill_chunk
@@ -143,10 +144,12 @@ class Engine:
             return []
         batch = ForwardBatch.build([chunk for _, chunk in chunks], [seq.num_cached for seq, _ in chunks],
                                    [seq.slot for seq, _ in chunks], all_logits=False, device=self.model.device)
-        last_logits = self.model.forward(batch, self.cache)  # [len(chunks), vocab]
+        last_logits, hidden_per_seq = self._forward(batch)  # [len(chunks), vocab]
         outputs = []
         for row, (seq, chunk) in enumerate(chunks):
             seq.num_cached += len(chunk)
+            if hidden_per_seq is not None and seq.speculative:
+                self._hidden_drafter.observe_target_hidden(seq.request_id, hidden_per_seq[row])
             if not seq.prefilling:
                 outputs.append(self._first_token(seq, last_logits[row : row + 1]))
         return outputs
@@ -188,7 +191,8 @@ class Engine:
             device=self.model.device,
             parents=[None if tree is None else [-1, *(parent + 1 for parent in tree.parents)] for tree in trees],
         )
-        logits_per_seq = batch.split_logits(self.model.forward(batch, self.cache))  # each [rows_i, vocab]
+        logits, hidden_per_seq = self._forward(batch)
+        logits_per_seq = batch.split_logits(logits)  # each [rows_i, vocab]
         verified_at = time.perf_counter()
         results = [self._verify(seq, draft, tree, logits)
                    for seq, draft, tree, logits in zip(seqs, drafts, trees, logits_per_seq)]
@@ -197,8 +201,22 @@ class Engine:
         self._record_times(self.metrics, step_times)
         self.draft_policy.observe_step(StepCost(len(batch.token_ids), tuple(len(d.token_ids) for d in drafts),
                                                 step_times[0], step_times[1]))
-        return [self._commit(seq, result, step_times, _emitted_logits(result, logits))
-                for seq, result, logits in zip(seqs, results, logits_per_seq)]
+        outputs = [self._commit(seq, result, step_times, _emitted_rows(result, logits))
+                   for seq, result, logits in zip(seqs, results, logits_per_seq)]
+        if hidden_per_seq is not None:
+            for seq, output, result, hidden in zip(seqs, outputs, results, hidden_per_seq):
+                if seq.speculative and not seq.finished:  # rows of the last token + the accepted drafts
+                    emitted_hidden = _emitted_rows(result, hidden)[: len(output.new_token_ids)]
+                    self._hidden_drafter.observe_target_hidden(seq.request_id, emitted_hidden)
+        return outputs
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Target logits [logit rows, vocab], plus each sequence's hidden rows [rows_i, hidden] when the
+        drafter reads hidden states (None otherwise: plain forward, nothing extra computed)."""
+        if self._hidden_drafter is None:
+            return self.model.forward(batch, self.cache), None
+        output = self.model.forward_hidden(batch, self.cache)
+        return output.logits, list(output.hidden.split(list(batch.row_counts)))
 
     def _propose(self, seqs: list[Sequence]) -> list[Draft]:
         speculating = [seq for seq in seqs if seq.speculative]
@@ -290,11 +308,12 @@ def _cap_tree(draft: Draft, max_nodes: int) -> Draft:
     return Draft(draft.token_ids, draft.draft_probs, None if tree.is_chain() else tree)
 
 
-def _emitted_logits(result: VerifyResult | TreeVerifyResult, target_logits: torch.Tensor) -> torch.Tensor:
-    """target_logits [rows, vocab] -> the rows the emitted tokens were chosen from, in order."""
+def _emitted_rows(result: VerifyResult | TreeVerifyResult, per_row: torch.Tensor) -> torch.Tensor:
+    """per_row [rows, ...] (target logits or hidden states of the verify block) -> the rows the emitted tokens
+    were chosen from, in order (for a tree: the last token's row, then the accepted path's nodes)."""
     if isinstance(result, TreeVerifyResult):
-        return target_logits[result.logits_rows()]
-    return target_logits
+        return per_row[result.logits_rows()]
+    return per_row
 
 
 def token_logprobs(target_logits: torch.Tensor, token_ids: list[int], num_top: int | None) -> tuple[TokenLogprob, ...] | None:

@@ -17,6 +17,18 @@ from specdec.models.layers import Linear, RotaryTable, gated_activation, rms_nor
 
 
 @dataclass(frozen=True)
+class ForwardOutput:
+    """A forward pass's logits plus the hidden state of every row (for hidden-state drafters: EAGLE, Medusa).
+
+    hidden is the final-normed state, i.e. exactly what lm_head reads: logits = lm_head(hidden[logits_rows])
+    (then Gemma's soft cap). Heads trained on it can reuse the target's lm_head unchanged.
+    """
+
+    logits: torch.Tensor  # [logit rows, vocab] fp32
+    hidden: torch.Tensor  # [rows, hidden] fp32, final-normed
+
+
+@dataclass(frozen=True)
 class DecoderLayer:
     attn_norm: torch.Tensor  # [hidden]
     qkv_proj: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
@@ -116,6 +128,25 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Writes the batch's keys/values into the cache and returns logits [logit rows, vocab] fp32."""
+        hidden = self._trunk(batch, cache)  # [rows, hidden]
+        return self.logits(rms_norm(hidden[batch.logits_rows], self.norm, self.config.rms_norm_eps))
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
+        """As forward, plus the final-normed hidden state of every row (same logits, bit for bit)."""
+        hidden = rms_norm(self._trunk(batch, cache), self.norm, self.config.rms_norm_eps)  # [rows, hidden]
+        return ForwardOutput(logits=self.logits(hidden[batch.logits_rows]), hidden=hidden)
+
+    def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
+        """normed_hidden [rows, hidden] (after the final norm) -> logits [rows, vocab] fp32."""
+        logits = self.lm_head(normed_hidden)
+        if self.config.final_logit_softcap:
+            cap = self.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _trunk(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Embedding and every decoder layer: the residual stream [rows, hidden] before the final norm."""
         hidden = self.embed_tokens.embed(batch.token_ids)  # [rows, hidden]
         if self.config.embedding_scale != 1.0:
             hidden = hidden * self.config.embedding_scale
@@ -127,12 +158,7 @@ class Transformer:
                                        max_position)
             hidden = hidden + attn_out
             hidden = hidden + self._mlp(layer, hidden)
-        hidden = rms_norm(hidden[batch.logits_rows], self.norm, self.config.rms_norm_eps)
-        logits = self.lm_head(hidden)  # [logit rows, vocab]
-        if self.config.final_logit_softcap:
-            cap = self.config.final_logit_softcap
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return hidden
 
     def _attention(self, index, layer: DecoderLayer, hidden, batch: ForwardBatch, cache: KVCache, slots32, key_range,
                    max_position: int):

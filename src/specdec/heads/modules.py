@@ -1,0 +1,147 @@
+"""The draft-head modules, shared by training (autograd, whole sequences) and drafting (cached, ragged rows).
+
+EAGLE (Li et al. 2024), one step: the target's final-normed hidden state h(t) and the embedding of token
+t + 1 go through fc(concat(norm(embed), norm(h))) and one decoder layer (pre-norm attention + SwiGLU MLP,
+its own KV cache when drafting); the output predicts h(t + 1), and the target's lm_head rows turn it into the
+draft distribution of token t + 2. Drafting feeds each predicted state back with its drafted token (a chain).
+
+Medusa (Cai et al. 2024): head i maps h(t) to h + SiLU(W_i h + b_i) and the lm_head rows give token t + 1 + i.
+
+Both draft over a subset of the target's lm_head rows (`TargetParts.draft_lm_head`, frozen) and map the row
+index back to the token id.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.cache.kv_cache import KVCache
+from specdec.heads.config import HeadConfig
+from specdec.kernels import attention
+from specdec.models.config import ModelConfig
+from specdec.models.layers import RotaryTable, rms_norm
+
+
+@dataclass(frozen=True)
+class TargetParts:
+    """The frozen pieces of the target a head uses, as dense fp32 (dequantized once from the loaded model)."""
+
+    embed_source: object  # the target's embedding Linear (q8 or fp32); rows dequantized on demand
+    embedding_scale: float
+    draft_lm_head: torch.Tensor  # [draft vocab, hidden] fp32: lm_head rows of the draft vocabulary
+    draft_token_ids: torch.Tensor  # [draft vocab] int64: target token id of each draft row
+    final_logit_softcap: float | None
+
+    @classmethod
+    def from_target(cls, target, draft_token_ids: torch.Tensor) -> "TargetParts":
+        ids = draft_token_ids.to(torch.int64).to(target.device)
+        rows = target.lm_head.embed(ids).float().clone()  # [draft vocab, hidden]
+        return cls(target.embed_tokens, target.config.embedding_scale, rows, ids, target.config.final_logit_softcap)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [n] int64 -> [n, hidden] fp32 (scaled like the target's input embedding)."""
+        return self.embed_source.embed(token_ids).float() * self.embedding_scale
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> logits over the draft vocabulary [..., draft vocab]."""
+        logits = F.linear(hidden, self.draft_lm_head)
+        if self.final_logit_softcap:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.config = config
+        self.q_size, self.kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.embed_norm = nn.Parameter(torch.ones(hidden))
+        self.hidden_norm = nn.Parameter(torch.ones(hidden))
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.attn_norm = nn.Parameter(torch.ones(hidden))
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.ffn_norm = nn.Parameter(torch.ones(hidden))
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.rotary = RotaryTable(config.head_dim, config.rope_theta, torch.device("cpu"))
+
+    def cache_config(self) -> ModelConfig:
+        """A one-layer ModelConfig describing this head's KV cache."""
+        c = self.config
+        return ModelConfig(architecture="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                           intermediate_size=c.intermediate_size, num_layers=1, num_heads=c.num_heads,
+                           num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, max_position_embeddings=1 << 20)
+
+    def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """embeds, hidden [..., hidden] -> the layer input [..., hidden]."""
+        eps = self.config.rms_norm_eps
+        return self.fc(torch.cat([rms_norm(embeds, self.embed_norm, eps), rms_norm(hidden, self.hidden_norm, eps)], -1))
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [rows, hidden], positions [rows] -> rotated query [rows, H, D], key, value [rows, Hkv, D]."""
+        c = self.config
+        qkv = self.qkv_proj(rms_norm(x, self.attn_norm, c.rms_norm_eps))
+        query = qkv[:, : self.q_size].reshape(-1, c.num_heads, c.head_dim)
+        key = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, c.num_kv_heads, c.head_dim)
+        value = qkv[:, self.q_size + self.kv_size :].reshape(-1, c.num_kv_heads, c.head_dim)
+        if self.rotary.inv_freq.device != x.device:
+            self.rotary = RotaryTable(c.head_dim, c.rope_theta, x.device)
+        return self.rotary.apply(query, positions), self.rotary.apply(key, positions), value
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(rms_norm(x, self.ffn_norm, self.config.rms_norm_eps)).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Training: whole sequences from position 0. embeds [B, T, hidden] (token t + 1), hidden [B, T, hidden]
+        (target state at t) -> predicted target state at t + 1 [B, T, hidden]. Causal; padding goes at the end."""
+        c = self.config
+        batch, length, _ = hidden.shape
+        x = self._input(embeds, hidden).reshape(batch * length, -1)  # [B*T, hidden]
+        positions = torch.arange(length, device=x.device).repeat(batch)
+        query, key, value = self._qkv(x, positions)
+        group = c.num_heads // c.num_kv_heads
+        as_heads = lambda t: t.reshape(batch, length, -1, c.head_dim).transpose(1, 2)  # noqa: E731  [B, heads, T, D]
+        key, value = (as_heads(t).repeat_interleave(group, dim=1) for t in (key, value))
+        context = F.scaled_dot_product_attention(as_heads(query), key, value, is_causal=True)  # [B, H, T, D]
+        x = x + self.o_proj(context.transpose(1, 2).reshape(batch * length, self.q_size))
+        x = x + self._mlp(x)
+        return x.reshape(batch, length, -1)
+
+    @torch.inference_mode()
+    def forward_cached(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       cache: KVCache) -> torch.Tensor:
+        """Drafting: ragged rows of several requests. embeds, hidden [rows, hidden]; positions, slots [rows] int64.
+        Writes the rows' keys/values at their positions and returns the predicted next states [rows, hidden]."""
+        x = self._input(embeds, hidden)
+        query, key, value = self._qkv(x, positions)
+        cache.write(0, slots, positions, key, value)
+        key_end = (positions + 1).to(torch.int32)
+        context = attention(query.contiguous(), cache.keys[0], cache.values[0], slots.to(torch.int32),
+                            torch.zeros_like(key_end), key_end, self.config.head_dim**-0.5)
+        x = x + self.o_proj(context.reshape(-1, self.q_size))
+        return x + self._mlp(x)
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.config = config
+        self.blocks = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(config.num_medusa_heads))
+        for block in self.blocks:  # Medusa's init: each head starts as the identity (drafts the next token)
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> per head [num heads, ..., hidden]; head i predicts for token t + 1 + i."""
+        return torch.stack([hidden + F.silu(block(hidden)) for block in self.blocks])
+
+
+def build_head(config: HeadConfig) -> nn.Module:
+    return EagleHead(config) if config.method == "eagle" else MedusaHeads(config)

@@ -1,0 +1,183 @@
+"""Trained draft heads (EAGLE, Medusa) on tiny models: the target's hidden states, training lowers the loss,
+saved heads reload to identical drafts, greedy output identical to plain output (batch 1 and 4), and the
+sampled distribution equal to the target's (chi-square), also with a reduced draft vocabulary."""
+import dataclasses
+
+import pytest
+import torch
+
+from specdec.cache.kv_cache import KVCache
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters.factory import build_drafter, build_head_drafter
+from specdec.drafters.heads import EagleDrafter, MedusaDrafter
+from specdec.engine.batch import ForwardBatch
+from specdec.heads.config import HeadConfig, load_head, save_head, target_fingerprint
+from specdec.heads.modules import TargetParts
+from specdec.train.data import TrainingSequence, generate_continuations, hidden_states
+from specdec.train.trainer import Trainer, TrainSettings, draft_vocabulary
+
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
+METHODS = ("eagle", "medusa")
+PROMPTS = [
+    [5, 17, 42, 5, 17, 42, 5, 17],
+    [99, 3, 250, 77, 12, 8, 130, 64, 201, 99, 3, 250, 77],
+    [33, 34],
+    [7, 180, 91, 45, 2, 160, 222, 1, 2, 3, 4, 5, 6, 7, 180, 91, 45, 2, 160],
+]
+TRAIN_PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(3 + i % 9)] for i in range(24)] + PROMPTS
+
+
+def head_config(model, method: str, draft_vocab_size: int | None = None) -> HeadConfig:
+    c = model.config
+    common = dict(method=method, target_name=c.name, target_fingerprint=target_fingerprint(model),
+                  hidden_size=c.hidden_size, vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size or c.vocab_size,
+                  embedding_scale=c.embedding_scale, final_logit_softcap=c.final_logit_softcap, rms_norm_eps=c.rms_norm_eps)
+    if method == "medusa":
+        return HeadConfig(**common, num_medusa_heads=3)
+    return HeadConfig(**common, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                      intermediate_size=2 * c.hidden_size, rope_theta=c.rope_theta)
+
+
+def training_sequences(model, tokenizer, prompts=TRAIN_PROMPTS, new_tokens=40) -> list[TrainingSequence]:
+    sequences = generate_continuations(model, tokenizer, prompts, new_tokens, max_len=128, batch_size=8)
+    return [TrainingSequence(torch.tensor(s), h) for s, h in zip(sequences, hidden_states(model, sequences))]
+
+
+def train(model, tokenizer, method, steps, draft_vocab_size=None, checkpoint=None, sequences=None, **settings):
+    sequences = sequences or training_sequences(model, tokenizer)
+    config = head_config(model, method, draft_vocab_size)
+    parts = TargetParts.from_target(model, draft_vocabulary(sequences, model.config.vocab_size, config.draft_vocab_size))
+    lr = 3e-3 if method == "eagle" else 1e-2  # Medusa's heads start at zero (the identity) and need a push
+    trainer = Trainer(config, parts, sequences, TrainSettings(steps=steps, batch_tokens=512, lr=lr, warmup_steps=5,
+                                                              **settings), checkpoint=checkpoint)
+    trainer.run()
+    return trainer
+
+
+def make_head_drafter(trainer, model, max_num_seqs=4, max_model_len=256):
+    if trainer.config.method == "eagle":
+        return EagleDrafter(trainer.head, trainer.parts, model.config.vocab_size, max_num_seqs, max_model_len)
+    return MedusaDrafter(trainer.head, trainer.parts, model.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def trained(make_tiny_model, tiny_tokenizer):
+    """trained(architecture, method) -> Trainer after 40 steps (cached per module)."""
+    cache = {}
+
+    def get(architecture, method):
+        if (architecture, method) not in cache:
+            cache[architecture, method] = train(make_tiny_model(architecture), tiny_tokenizer, method, steps=40)
+        return cache[architecture, method]
+
+    return get
+
+
+# ---- target hidden states --------------------------------------------------------------------------------
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_forward_hidden_gives_forward_logits_bit_for_bit(make_tiny_model, architecture):
+    model = make_tiny_model(architecture)
+    batch = ForwardBatch.build([PROMPTS[1], PROMPTS[3]], [0, 0], [0, 1], all_logits=False)
+    logits = model.forward(batch, KVCache(model.config, 2, 64))
+    output = model.forward_hidden(batch, KVCache(model.config, 2, 64))
+    assert torch.equal(output.logits, logits)
+    assert output.hidden.shape == (len(PROMPTS[1]) + len(PROMPTS[3]), model.config.hidden_size)
+    assert torch.equal(model.logits(output.hidden[batch.logits_rows]), logits)  # what lm_head reads
+
+
+# ---- training ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", METHODS)
+def test_training_a_few_steps_lowers_the_loss(trained, method):
+    history = trained("qwen2", method).state.history
+    first, last = sum(r.loss for r in history[:5]) / 5, sum(r.loss for r in history[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    assert sum(r.accuracy for r in history[-5:]) > sum(r.accuracy for r in history[:5])
+
+
+def test_training_resumes_from_its_checkpoint(make_tiny_model, tiny_tokenizer, tmp_path):
+    model = make_tiny_model("llama")
+    sequences = training_sequences(model, tiny_tokenizer, TRAIN_PROMPTS[:8], new_tokens=16)
+    straight = train(model, tiny_tokenizer, "eagle", steps=6, sequences=sequences)
+    checkpoint = tmp_path / "head.ckpt"
+    interrupted = train(model, tiny_tokenizer, "eagle", steps=6, sequences=sequences, checkpoint=checkpoint, time_limit_s=0.0)
+    assert interrupted.state.step == 1 and checkpoint.is_file()  # stopped after its first step, checkpoint written
+    resumed = train(model, tiny_tokenizer, "eagle", steps=6, sequences=sequences, checkpoint=checkpoint)
+    assert resumed.state.step == 6 and len(resumed.state.history) == 6
+    assert [r.loss for r in resumed.state.history] == pytest.approx([r.loss for r in straight.state.history], rel=1e-4)
+
+
+def test_draft_vocabulary_takes_the_most_frequent_tokens():
+    sequences = [TrainingSequence(torch.tensor([5, 5, 5, 9, 9, 2, 7]), torch.zeros(7, 4))]
+    assert draft_vocabulary(sequences, vocab_size=10, size=3).tolist() == [2, 5, 9]  # 2 beats 7 on the lower id
+
+
+# ---- head files --------------------------------------------------------------------------------------------
+def prefilled_drafts(drafter, model, params, prompts=PROMPTS, k=5):
+    """Prefills the target on each prompt, feeds the drafter like the engine does, returns its drafts."""
+    cache = KVCache(model.config, len(prompts), 64)
+    batch = ForwardBatch.build(prompts, [0] * len(prompts), list(range(len(prompts))), all_logits=False)
+    output = model.forward_hidden(batch, cache)
+    for i, (prompt, hidden) in enumerate(zip(prompts, output.hidden.split(list(batch.row_counts)))):
+        generator = None if params.greedy else torch.Generator().manual_seed(i)
+        drafter.add_request(str(i), prompt, params, generator)
+        drafter.observe_target_hidden(str(i), hidden)
+        drafter.observe(str(i), [int(output.logits[i].argmax())])
+    return drafter.propose([str(i) for i in range(len(prompts))], [k] * len(prompts))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_saved_head_reloads_to_identical_drafts(trained, make_tiny_model, tmp_path, method, temperature):
+    model, trainer = make_tiny_model("qwen2"), trained("qwen2", method)
+    path = save_head(tmp_path / f"{method}.safetensors", trainer.config, trainer.head.state_dict(),
+                     trainer.parts.draft_token_ids, {"steps": trainer.state.step})
+    assert load_head(path).training == {"steps": trainer.state.step}
+    params = SamplingParams(temperature=temperature)
+    before = prefilled_drafts(make_head_drafter(trainer, model), model, params)
+    after = prefilled_drafts(build_head_drafter(method, str(path), model, 256, 4), model, params)
+    assert [d.token_ids for d in after] == [d.token_ids for d in before]
+    assert all(len(d.token_ids) == (5 if method == "eagle" else 3) for d in after)  # Medusa: one per head
+    if temperature:
+        assert all(torch.equal(a.draft_probs, b.draft_probs) for a, b in zip(after, before))
+
+
+def test_head_for_another_target_is_refused_with_the_reason(trained, make_tiny_model, tmp_path):
+    trainer = trained("qwen2", "eagle")
+    path = save_head(tmp_path / "h.safetensors", trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, {})
+    with pytest.raises(ValueError, match=r"trained on tiny-qwen2 \(fingerprint [0-9a-f]{16}\); the target's weights differ"):
+        build_head_drafter("eagle", str(path), make_tiny_model("qwen2", seed=5), 256, 4)
+    with pytest.raises(ValueError, match="trained for hidden size 64 and vocabulary 300 .* the target has 64 and 8"):
+        build_head_drafter("eagle", str(path), make_tiny_model("qwen2", vocab_size=8), 256, 4)
+    with pytest.raises(ValueError, match="is a 'eagle' head, but the speculative method is 'medusa'"):
+        build_head_drafter("medusa", str(path), make_tiny_model("qwen2"), 256, 4)
+    with pytest.raises(FileNotFoundError, match="train one with `specdec train-draft`"):
+        build_head_drafter("eagle", str(tmp_path / "missing.safetensors"), make_tiny_model("qwen2"), 256, 4)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_speculative_config_builds_the_head_drafter(trained, make_tiny_model, tiny_tokenizer, tmp_path, method):
+    trainer = trained("qwen2", method)
+    path = save_head(tmp_path / "h.safetensors", trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, {})
+    config = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 3, "model": str(path)})
+    drafter = build_drafter(config, make_tiny_model("qwen2"), tiny_tokenizer, "q8", 256, 4)
+    assert isinstance(drafter, EagleDrafter if method == "eagle" else MedusaDrafter)
+    with pytest.raises(ValueError, match=f"speculative method '{method}' needs 'model' \\(the head file"):
+        SpeculativeConfig(method=method, num_speculative_tokens=3)
+
+
+def test_head_config_rejects_inconsistent_shapes():
+    with pytest.raises(ValueError, match="draft_vocab_size must be in 1..300, got 301"):
+        HeadConfig(method="medusa", target_name="t", target_fingerprint="f", hidden_size=64, vocab_size=300,
+                   draft_vocab_size=301, num_medusa_heads=2)
+    with pytest.raises(ValueError, match="unknown draft-head method 'hydra'"):
+        HeadConfig(method="hydra", target_name="t", target_fingerprint="f", hidden_size=64, vocab_size=300, draft_vocab_size=3)
+
+
+def test_adaptive_policy_charges_the_head_by_its_weight_bytes(trained, make_tiny_model):
+    from specdec.engine.adaptive import _cached_cost_model
+
+    model = make_tiny_model("qwen2")
+    eagle = _cached_cost_model(model, make_head_drafter(trained("qwen2", "eagle"), model), None, "q8", 32).drafter
+    medusa = _cached_cost_model(model, make_head_drafter(trained("qwen2", "medusa"), model), None, "q8", 32).drafter
+    assert eagle.per_token_s > 0 and eagle.batched  # one head forward per draft position
+    assert medusa.per_token_s == 0 and medusa.per_step_s > 0  # all heads in one forward

@@ -1,0 +1,80 @@
+"""EAGLE and Medusa heads in the engine: greedy output identical to plain decoding (batch 1 and 4, every
+architecture) and sampling that reproduces the target's distribution (chi-square), the heads' draft
+probabilities feeding rejection sampling — also when they draft over a reduced vocabulary."""
+import pytest
+
+from engine.test_speculative import (CHI_PARAMS, CHI_PROMPT, PROMPTS, SMALL_VOCAB, chi_square_p_value,
+                                     exact_distribution_of_tokens_2_and_3, run, sampled_counts)
+from specdec.config import SamplingParams
+from specdec.engine.sequence import TokenKind
+from specdec.verify import rejection
+from test_draft_heads import ARCHITECTURES, METHODS, make_head_drafter, train, training_sequences
+
+
+@pytest.fixture(scope="module")
+def trained_heads(make_tiny_model, tiny_tokenizer):
+    cache = {}
+
+    def get(architecture, method):
+        if (architecture, method) not in cache:
+            cache[architecture, method] = train(make_tiny_model(architecture), tiny_tokenizer, method, steps=40)
+        return cache[architecture, method]
+
+    return get
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_output_with_a_head_identical_to_plain(make_tiny_model, tiny_tokenizer, trained_heads, architecture,
+                                                      method, batch):
+    model = make_tiny_model(architecture)
+    params = SamplingParams(max_tokens=40)
+    prompts = PROMPTS[:batch] if batch > 1 else [PROMPTS[1]]
+    plain, _ = run(model, tiny_tokenizer, prompts, params)
+    drafter = make_head_drafter(trained_heads(architecture, method), model)
+    spec, engine = run(model, tiny_tokenizer, prompts, params, drafter, k=4)
+    assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
+    assert [s.finish_reason for s in spec] == [s.finish_reason for s in plain]
+    assert engine.metrics.drafted_tokens > 0 and engine.metrics.accepted_tokens > 0  # the trained head gets accepted
+    assert any(kind == TokenKind.ACCEPTED for seq in spec for kind in seq.token_kinds)
+    assert not drafter.states  # every request removed
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_trained_head_gets_more_drafts_accepted_than_an_untrained_one(make_tiny_model, tiny_tokenizer, trained_heads,
+                                                                     method):
+    model = make_tiny_model("qwen2")
+    trained = trained_heads("qwen2", method)
+    untrained = train(model, tiny_tokenizer, method, steps=0)
+
+    def accepted_length(trainer):
+        drafter = make_head_drafter(trainer, model)
+        return run(model, tiny_tokenizer, PROMPTS, SamplingParams(max_tokens=40), drafter, k=4)[1].metrics.mean_accepted_length
+
+    assert accepted_length(trained) > accepted_length(untrained)
+
+
+# ---- sampling: chi-square against the target's exact distribution ------------------------------------------
+@pytest.fixture(scope="module")
+def small_vocab_target(make_tiny_model, tiny_tokenizer):
+    target = make_tiny_model("qwen2", seed=3, vocab_size=SMALL_VOCAB)
+    prompts = [CHI_PROMPT] + [[(3 * i + j) % SMALL_VOCAB for j in range(4 + i % 7)] for i in range(16)]
+    sequences = training_sequences(target, tiny_tokenizer, prompts, new_tokens=24)
+    return target, sequences, exact_distribution_of_tokens_2_and_3(target, SamplingParams(**CHI_PARAMS))
+
+
+@pytest.mark.parametrize("method, draft_vocab", [("eagle", 5), ("medusa", 5)])  # 5 of 8 tokens: reduced head
+def test_sampling_with_a_head_matches_target_distribution(small_vocab_target, tiny_tokenizer, method, draft_vocab):
+    target, sequences, joint = small_vocab_target
+    trainer = train(target, tiny_tokenizer, method, steps=15, draft_vocab_size=draft_vocab, sequences=sequences)
+    drafter = make_head_drafter(trainer, target, max_num_seqs=32, max_model_len=64)
+    assert chi_square_p_value(sampled_counts(target, tiny_tokenizer, drafter), joint) > 1e-3
+
+
+def test_chi_square_detects_a_wrong_residual_with_a_head(small_vocab_target, tiny_tokenizer, monkeypatch):
+    target, sequences, joint = small_vocab_target
+    trainer = train(target, tiny_tokenizer, "eagle", steps=15, draft_vocab_size=5, sequences=sequences)
+    monkeypatch.setattr(rejection, "residual_probs", lambda target_probs, draft_probs: target_probs)
+    drafter = make_head_drafter(trainer, target, max_num_seqs=32, max_model_len=64)
+    assert chi_square_p_value(sampled_counts(target, tiny_tokenizer, drafter), joint) < 1e-6
