@@ -60,19 +60,6 @@ def make_head_drafter(trainer, model, max_num_seqs=4, max_model_len=256):
     return MedusaDrafter(trainer.head, trainer.parts, model.config.vocab_size)
 
 
-@pytest.fixture(scope="module")
-def trained(make_tiny_model, tiny_tokenizer):
-    """trained(architecture, method) -> Trainer after 40 steps (cached per module)."""
-    cache = {}
-
-    def get(architecture, method):
-        if (architecture, method) not in cache:
-            cache[architecture, method] = train(make_tiny_model(architecture), tiny_tokenizer, method, steps=40)
-        return cache[architecture, method]
-
-    return get
-
-
 # ---- target hidden states --------------------------------------------------------------------------------
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_forward_hidden_gives_forward_logits_bit_for_bit(make_tiny_model, architecture):
@@ -87,8 +74,8 @@ def test_forward_hidden_gives_forward_logits_bit_for_bit(make_tiny_model, archit
 
 # ---- training ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", METHODS)
-def test_training_a_few_steps_lowers_the_loss(trained, method):
-    history = trained("qwen2", method).state.history
+def test_training_a_few_steps_lowers_the_loss(trained_heads, method):
+    history = trained_heads("qwen2", method).state.history
     first, last = sum(r.loss for r in history[:5]) / 5, sum(r.loss for r in history[-5:]) / 5
     assert last < 0.8 * first, (first, last)
     assert sum(r.accuracy for r in history[-5:]) > sum(r.accuracy for r in history[:5])
@@ -127,8 +114,8 @@ def prefilled_drafts(drafter, model, params, prompts=PROMPTS, k=5):
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_saved_head_reloads_to_identical_drafts(trained, make_tiny_model, tmp_path, method, temperature):
-    model, trainer = make_tiny_model("qwen2"), trained("qwen2", method)
+def test_saved_head_reloads_to_identical_drafts(trained_heads, make_tiny_model, tmp_path, method, temperature):
+    model, trainer = make_tiny_model("qwen2"), trained_heads("qwen2", method)
     path = save_head(tmp_path / f"{method}.safetensors", trainer.config, trainer.head.state_dict(),
                      trainer.parts.draft_token_ids, {"steps": trainer.state.step})
     assert load_head(path).training == {"steps": trainer.state.step}
@@ -141,8 +128,8 @@ def test_saved_head_reloads_to_identical_drafts(trained, make_tiny_model, tmp_pa
         assert all(torch.equal(a.draft_probs, b.draft_probs) for a, b in zip(after, before))
 
 
-def test_head_for_another_target_is_refused_with_the_reason(trained, make_tiny_model, tmp_path):
-    trainer = trained("qwen2", "eagle")
+def test_head_for_another_target_is_refused_with_the_reason(trained_heads, make_tiny_model, tmp_path):
+    trainer = trained_heads("qwen2", "eagle")
     path = save_head(tmp_path / "h.safetensors", trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, {})
     with pytest.raises(ValueError, match=r"trained on tiny-qwen2 \(fingerprint [0-9a-f]{16}\); the target's weights differ"):
         build_head_drafter("eagle", str(path), make_tiny_model("qwen2", seed=5), 256, 4)
@@ -155,8 +142,8 @@ def test_head_for_another_target_is_refused_with_the_reason(trained, make_tiny_m
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_speculative_config_builds_the_head_drafter(trained, make_tiny_model, tiny_tokenizer, tmp_path, method):
-    trainer = trained("qwen2", method)
+def test_speculative_config_builds_the_head_drafter(trained_heads, make_tiny_model, tiny_tokenizer, tmp_path, method):
+    trainer = trained_heads("qwen2", method)
     path = save_head(tmp_path / "h.safetensors", trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, {})
     config = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 3, "model": str(path)})
     drafter = build_drafter(config, make_tiny_model("qwen2"), tiny_tokenizer, "q8", 256, 4)
@@ -173,11 +160,11 @@ def test_head_config_rejects_inconsistent_shapes():
         HeadConfig(method="hydra", target_name="t", target_fingerprint="f", hidden_size=64, vocab_size=300, draft_vocab_size=3)
 
 
-def test_adaptive_policy_charges_the_head_by_its_weight_bytes(trained, make_tiny_model):
+def test_adaptive_policy_charges_the_head_by_its_weight_bytes(trained_heads, make_tiny_model):
     from specdec.engine.adaptive import _cached_cost_model
 
     model = make_tiny_model("qwen2")
-    eagle = _cached_cost_model(model, make_head_drafter(trained("qwen2", "eagle"), model), None, "q8", 32).drafter
-    medusa = _cached_cost_model(model, make_head_drafter(trained("qwen2", "medusa"), model), None, "q8", 32).drafter
+    eagle = _cached_cost_model(model, make_head_drafter(trained_heads("qwen2", "eagle"), model), None, "q8", 32).drafter
+    medusa = _cached_cost_model(model, make_head_drafter(trained_heads("qwen2", "medusa"), model), None, "q8", 32).drafter
     assert eagle.per_token_s > 0 and eagle.batched  # one head forward per draft position
     assert medusa.per_token_s == 0 and medusa.per_step_s > 0  # all heads in one forward

@@ -11,18 +11,6 @@ from specdec.verify import rejection
 from test_draft_heads import ARCHITECTURES, METHODS, make_head_drafter, train, training_sequences
 
 
-@pytest.fixture(scope="module")
-def trained_heads(make_tiny_model, tiny_tokenizer):
-    cache = {}
-
-    def get(architecture, method):
-        if (architecture, method) not in cache:
-            cache[architecture, method] = train(make_tiny_model(architecture), tiny_tokenizer, method, steps=40)
-        return cache[architecture, method]
-
-    return get
-
-
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("batch", [1, 4])
