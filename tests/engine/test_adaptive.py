@@ -130,12 +130,25 @@ def test_calibration_scales_the_target_and_measures_the_drafter():
     calibration = CostCalibration(weight=0.5)
     calibration.observe(base, rows=3, draft_lengths=(2, 1), draft_s=0.008, target_s=0.022)
     calibrated = calibration.apply(base)
-    assert calibrated.forward(3) == pytest.approx(0.022)  # measured level, profiled shape
-    assert calibrated.forward(1) == pytest.approx(0.020)
-    assert calibrated.drafter((2, 1)) == pytest.approx(0.008)  # batched: max k = 2 tokens at 0.004 s
-    calibration.observe(base, rows=1, draft_lengths=(0,), draft_s=0.0, target_s=0.010)  # no draft: drafter unchanged
-    assert calibration.draft_per_token_s == pytest.approx(0.004)
+    assert calibration.target_scale == pytest.approx(1.5)  # from the prior 1: (1 + 2) / 2
+    assert calibrated.forward(3) == pytest.approx(0.0165)  # measured level, profiled shape
+    # from the profile's 0.001 at the measured level 1.5 and the observed 0.004 (batched: max k = 2 tokens)
+    assert calibration.draft_per_token_s == pytest.approx((0.0015 + 0.004) / 2)
+    assert calibrated.drafter((2, 1)) == pytest.approx(0.0055)
+    calibration.observe(base, rows=1, draft_lengths=(0,), draft_s=0.0, target_s=0.015)  # no draft: drafter unchanged
+    assert calibration.draft_per_token_s == pytest.approx(0.00275)
     assert calibration.target_scale == pytest.approx(1.5)
+
+
+def test_calibration_clips_a_lone_outlier():
+    base = CostModel(ForwardCosts.linear(0.010, 0.0), DrafterCost(per_token_s=0.002, batched=True))
+    calibration = CostCalibration(weight=0.2, max_jump=3.0)
+    calibration.observe(base, rows=2, draft_lengths=(1,), draft_s=0.5, target_s=0.010)  # the draft model's prefill
+    assert calibration.target_scale == pytest.approx(1.0)
+    assert calibration.draft_per_token_s == pytest.approx(0.8 * 0.002 + 0.2 * 0.006)  # 0.5 s counted as 0.006
+    for _ in range(30):  # a lasting change still takes over
+        calibration.observe(base, rows=2, draft_lengths=(1,), draft_s=0.030, target_s=0.010)
+    assert calibration.draft_per_token_s == pytest.approx(0.030, rel=0.01)
 
 
 def test_measured_expensive_drafter_turns_speculation_off(tiny_tokenizer):

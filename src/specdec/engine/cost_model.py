@@ -191,21 +191,34 @@ class CostCalibration:
       target_scale = measured target seconds / T(rows)          (over every decode step)
       per_token_s  = measured drafter seconds / drafted tokens   (max k for a batched drafter, sum k otherwise)
     and plan with T'(n) = target_scale · T(n) and draft cost per_token_s per token.
+
+    One step may cost far more than the usual: the first draft of a draft model also prefills the prompt in
+    the draft model, a re-probe after k = 0 catches it up on many tokens, a page fault or a preempted thread
+    stalls a forward. So each observation is clipped to `max_jump` times the current estimate before it is
+    averaged: a lone outlier moves the estimate by at most weight · (max_jump − 1), while a real, lasting
+    change still takes over within a few steps. The drafter's estimate starts from the profile's (for a
+    draft model: its T(1) scaled by weight bytes) times the measured target scale (the fallback profile
+    counts in units of T(1)), the target's from 1.
     """
 
     weight: float = 0.2  # EMA weight of one step
+    max_jump: float = 3.0  # an observation counts at most this many times the current estimate
     target_scale: float | None = None
     draft_per_token_s: float | None = None
 
     def observe(self, base: CostModel, rows: int, draft_lengths: SequenceOf[int], draft_s: float, target_s: float) -> None:
         if target_s > 0:
-            self.target_scale = self._average(self.target_scale, target_s / base.forward(rows))
+            current = 1.0 if self.target_scale is None else self.target_scale
+            self.target_scale = self._average(current, target_s / base.forward(rows))
         drafted = (max(draft_lengths) if base.drafter.batched else sum(draft_lengths)) if draft_lengths else 0
         if drafted > 0 and draft_s >= 0:
-            self.draft_per_token_s = self._average(self.draft_per_token_s, draft_s / drafted)
+            current = self.draft_per_token_s
+            if current is None and base.drafter.per_token_s > 0:  # the profile's estimate, at the measured level
+                current = base.drafter.per_token_s * (self.target_scale or 1.0)
+            self.draft_per_token_s = draft_s / drafted if current is None else self._average(current, draft_s / drafted)
 
-    def _average(self, current: float | None, value: float) -> float:
-        return value if current is None else (1 - self.weight) * current + self.weight * value
+    def _average(self, current: float, value: float) -> float:
+        return (1 - self.weight) * current + self.weight * min(value, self.max_jump * current)
 
     def apply(self, base: CostModel) -> CostModel:
         """The base model with measured levels (unchanged until something was measured)."""
