@@ -197,3 +197,15 @@ def test_engine_reports_each_decode_step_cost(make_tiny_model, tiny_tokenizer):
     for cost in policy.costs:
         assert cost.rows == len(cost.draft_lengths) + sum(cost.draft_lengths)
         assert cost.target_s > 0 and cost.draft_s >= 0
+
+
+def test_first_drafts_and_reprobes_do_not_count_as_drafter_cost(tiny_tokenizer):
+    base = CostModel(ForwardCosts.linear(0.010, 0.0), DrafterCost(per_token_s=0.002, batched=True))
+    policy = AdaptiveDraftPolicy(4, base, reprobe_interval=1000)
+    seq = make_seq(tiny_tokenizer)
+    k = step(policy, [seq], [4])[0]
+    policy.observe_step(StepCost(1 + k, (k,), draft_s=5.0, target_s=0.010))  # first draft: prompt prefill
+    assert policy.calibration.draft_per_token_s is None
+    k = step(policy, [seq], [4])[0]
+    policy.observe_step(StepCost(1 + k, (k,), draft_s=0.004 * k, target_s=0.010))  # steady
+    assert policy.calibration.draft_per_token_s == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)

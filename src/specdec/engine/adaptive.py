@@ -33,6 +33,7 @@ class AcceptanceEstimate:
     seen_drafted: list[int] = field(default_factory=list)  # metrics counters at the last update
     seen_accepted: list[int] = field(default_factory=list)
     steps_at_zero: int = 0
+    last_draft_length: int = 0  # k of the request's previous step (0: it did not draft, or it is new)
 
     def alpha(self, position: int) -> float:
         return self.alphas[position] if position < len(self.alphas) else self.prior
@@ -90,6 +91,7 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         self.ema_weight = ema_weight
         self.reprobe_interval = reprobe_interval
         self._estimates: dict[str, tuple[Sequence, AcceptanceEstimate]] = {}
+        self._steady_drafting = False  # whether the last step's drafting requests all drafted the step before
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         """The request's acceptance estimate, up to date with its metrics (a new one for a new Sequence)."""
@@ -101,8 +103,15 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         return entry[1]
 
     def observe_step(self, cost: StepCost) -> None:
-        """Folds the step's measured target and drafter seconds into the cost model (see CostCalibration)."""
-        self.calibration.observe(self.base_cost_model, cost.rows, cost.draft_lengths, cost.draft_s, cost.target_s)
+        """Folds the step's measured target and drafter seconds into the cost model (see CostCalibration).
+
+        The drafter's seconds count only in steady steps, where every drafting request also drafted in its
+        previous step: a request's first draft (a draft model then prefills the prompt) and a re-probe after
+        k = 0 (it catches up on every token since) cost what steady drafting does not, and counting them would
+        keep a draft model switched off.
+        """
+        draft_s = cost.draft_s if self._steady_drafting else None
+        self.calibration.observe(self.base_cost_model, cost.rows, cost.draft_lengths, draft_s, cost.target_s)
         self.cost_model = self.calibration.apply(self.base_cost_model)
 
     def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int) -> list[int]:
@@ -110,7 +119,11 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         self._forget_others(seqs)
         lengths = self.cost_model.allocate([e.table(self.max_draft_tokens) for e in estimates], batch_size,
                                            self.max_draft_tokens, self.max_rows)
-        return self._reprobe(lengths, estimates, batch_size)
+        lengths = self._reprobe(lengths, estimates, batch_size)
+        self._steady_drafting = all(e.last_draft_length > 0 for e, k in zip(estimates, lengths) if k > 0)
+        for estimate, k in zip(estimates, lengths):
+            estimate.last_draft_length = k
+        return lengths
 
     def _reprobe(self, lengths: list[int], estimates: list[AcceptanceEstimate], batch_size: int) -> list[int]:
         rows = batch_size + sum(lengths)

@@ -206,12 +206,14 @@ class CostCalibration:
     target_scale: float | None = None
     draft_per_token_s: float | None = None
 
-    def observe(self, base: CostModel, rows: int, draft_lengths: SequenceOf[int], draft_s: float, target_s: float) -> None:
+    def observe(self, base: CostModel, rows: int, draft_lengths: SequenceOf[int], draft_s: float | None,
+                target_s: float) -> None:
+        """draft_s None: the step's drafter time is not representative (the drafter estimate stays)."""
         if target_s > 0:
             current = 1.0 if self.target_scale is None else self.target_scale
             self.target_scale = self._average(current, target_s / base.forward(rows))
         drafted = (max(draft_lengths) if base.drafter.batched else sum(draft_lengths)) if draft_lengths else 0
-        if drafted > 0 and draft_s >= 0:
+        if drafted > 0 and draft_s is not None and draft_s >= 0:
             current = self.draft_per_token_s
             if current is None and base.drafter.per_token_s > 0:  # the profile's estimate, at the measured level
                 current = base.drafter.per_token_s * (self.target_scale or 1.0)
