@@ -46,21 +46,10 @@ class ForwardBatch:
         parents: per sequence None (a chain) or the parent row of each row (-1 for row 0, then
         0 <= parents[j] < j): a token tree rooted at the sequence's first row.
         """
-        counts = tuple(len(ids) for ids in token_ids)
-        if any(count == 0 for count in counts):
-            raise ValueError("every sequence in a forward batch needs at least one token")
-        parents = parents if parents is not None else [None] * len(counts)
-        rows = [_rows(start, count, seq_parents) for start, count, seq_parents in zip(starts, counts, parents)]
-        flat = lambda field: [value for seq_rows in rows for value in seq_rows[field]]  # noqa: E731
-        flat_ids = [tok for ids in token_ids for tok in ids]
-        row_slots = [slot for slot, count in zip(slots, counts) for _ in range(count)]
-        ends = torch.tensor(counts).cumsum(0)
-        logits_rows = torch.arange(len(flat_ids)) if all_logits else ends - 1
-        as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-        positions, cache_positions = as_long(flat(0)), as_long(flat(1))
-        prefix_ends = torch.tensor(flat(2), dtype=torch.int32, device=device)
-        return cls(as_long(flat_ids), positions, as_long(row_slots), counts, logits_rows.to(device), all_logits,
-                   cache_positions, prefix_ends, _tree_keys(flat(3), device))
+        parents = parents if parents is not None else [None] * len(token_ids)
+        rows = [_rows(start, len(ids), seq_parents) for start, ids, seq_parents in zip(starts, token_ids, parents)]
+        positions, cache_positions, prefix_ends, tree_keys = zip(*rows) if rows else ((), (), (), ())
+        return cls.from_rows(token_ids, positions, cache_positions, prefix_ends, tree_keys, slots, device, all_logits)
 
     @classmethod
     def from_rows(
@@ -72,17 +61,19 @@ class ForwardBatch:
         tree_keys: Sequence[Sequence[Sequence[int]]],
         slots: Sequence[int],
         device: torch.device | str = "cpu",
+        all_logits: bool = True,
     ) -> "ForwardBatch":
-        """Rows given explicitly, per sequence (logits for every row): for a drafter growing a tree over
-        several forwards, whose rows' ancestors were written by earlier forwards."""
+        """Rows given explicitly, per sequence: for a drafter growing a tree over several forwards, whose rows'
+        ancestors were written by earlier forwards (and, through `build`, for chains and whole trees)."""
         counts = tuple(len(ids) for ids in token_ids)
         if any(count == 0 for count in counts):
             raise ValueError("every sequence in a forward batch needs at least one token")
         flat = lambda values: [value for seq_values in values for value in seq_values]  # noqa: E731
         as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
         row_slots = [slot for slot, count in zip(slots, counts) for _ in range(count)]
+        logits_rows = torch.arange(sum(counts)) if all_logits else torch.tensor(counts).cumsum(0) - 1
         return cls(as_long(flat(token_ids)), as_long(flat(positions)), as_long(row_slots), counts,
-                   torch.arange(sum(counts), device=device), True, as_long(flat(cache_positions)),
+                   logits_rows.to(device), all_logits, as_long(flat(cache_positions)),
                    torch.tensor(flat(prefix_ends), dtype=torch.int32, device=device),
                    _tree_keys([list(keys) for keys in flat(tree_keys)], device))
 
@@ -96,7 +87,7 @@ def _rows(start: int, count: int, parents: Sequence[int] | None) -> tuple[list[i
     cache_positions = [start + offset for offset in range(count)]
     if parents is None:
         return cache_positions, cache_positions, [p + 1 for p in cache_positions], [[] for _ in range(count)]
-    if len(parents) != count or parents[0] != -1 or any(not 0 <= p < j for j, p in enumerate(parents) if j):
+    if len(parents) != count or list(parents[:1]) != [-1] or any(not 0 <= p < j for j, p in enumerate(parents) if j):
         raise ValueError(f"tree parents must be [-1, then 0 <= parents[j] < j] for {count} rows, got {list(parents)}")
     paths: list[list[int]] = []
     for j, parent in enumerate(parents):
