@@ -101,3 +101,8 @@ def test_autograd_inputs_take_the_differentiable_torch_path():
     gate_up = torch.randn(3, 64, requires_grad=True)
     ops.gated_activation(gate_up, "silu").sum().backward()
     assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0
+    qkv, positions, cos, sin = _qkv_case(4, 1, 64)
+    qkv.requires_grad_(True)
+    query, key = ops.qk_norm_rope(qkv, ops.QKNormRope(4, 1, 64, 1e-6), None, None, cos, sin, positions)
+    (query.sum() + key.sum()).backward()
+    assert qkv.grad is not None and qkv.grad[:, : 5 * 64].abs().sum() > 0

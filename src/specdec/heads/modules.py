@@ -20,9 +20,9 @@ from torch import nn
 
 from specdec.cache.kv_cache import KVCache
 from specdec.heads.config import HeadConfig
-from specdec.kernels import attention
+from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
 from specdec.models.config import ModelConfig
-from specdec.models.layers import RotaryTable, rms_norm
+from specdec.models.layers import RotaryTable
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class EagleHead(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
         self.rotary = RotaryTable(config.head_dim, config.rope_theta, torch.device("cpu"))
+        self.qk_shape = QKNormRope(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
 
     def cache_config(self) -> ModelConfig:
         """A one-layer ModelConfig describing this head's KV cache."""
@@ -85,17 +86,17 @@ class EagleHead(nn.Module):
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [rows, hidden], positions [rows] -> rotated query [rows, H, D], key, value [rows, Hkv, D]."""
         c = self.config
-        qkv = self.qkv_proj(rms_norm(x, self.attn_norm, c.rms_norm_eps))
-        query = qkv[:, : self.q_size].reshape(-1, c.num_heads, c.head_dim)
-        key = qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, c.num_kv_heads, c.head_dim)
+        qkv = self.qkv_proj(rms_norm(x, self.attn_norm, c.rms_norm_eps))  # [rows, (H + 2 Hkv) * D]
         value = qkv[:, self.q_size + self.kv_size :].reshape(-1, c.num_kv_heads, c.head_dim)
         if self.rotary.inv_freq.device != x.device:
             self.rotary = RotaryTable(c.head_dim, c.rope_theta, x.device)
-        return self.rotary.apply(query, positions), self.rotary.apply(key, positions), value
+        cos, sin = self.rotary.tables(int(positions.max()))  # each [>= max position + 1, D]
+        query, key = qk_norm_rope(qkv, self.qk_shape, None, None, cos, sin, positions)
+        return query, key, value
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(rms_norm(x, self.ffn_norm, self.config.rms_norm_eps)).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(rms_norm(x, self.ffn_norm, self.config.rms_norm_eps))  # [rows, 2 * inter]
+        return self.down_proj(gated_activation(gate_up, "silu"))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Training: whole sequences from position 0. embeds [B, T, hidden] (token t + 1), hidden [B, T, hidden]

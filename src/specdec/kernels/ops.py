@@ -416,9 +416,10 @@ def qk_norm_rope(
 
     Splits query and key off the fused projection, applies the optional per-head RMS norm (QK-norm) and
     rotate-half RoPE at ``positions`` [tokens] from the tables ``cos``, ``sin`` [max positions, D], in
-    one call on the CPU kernel (each token x head row on its own, row invariant).
+    one call on the CPU kernel (each token x head row on its own, row invariant); autograd-tracked inputs take
+    the differentiable torch path.
     """
-    if qkv.is_cpu and qkv.dtype == torch.float32:
+    if qkv.is_cpu and qkv.dtype == torch.float32 and not _needs_grad(qkv):
         ext = _load()
         if ext is not None:
             query, key = ext.qk_norm_rope(qkv, shape.num_heads, shape.num_kv_heads, shape.head_dim, q_norm, k_norm,

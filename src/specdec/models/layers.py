@@ -1,4 +1,5 @@
-"""Building blocks of the transformer: norms, rotary tables, activations and linear-weight formats.
+"""Building blocks of the transformer: rotary tables and linear-weight formats (the row-wise norm, RoPE and
+gated activation are kernels: `specdec.kernels`).
 
 Every function here computes each row (token) independently with a reduction order that does not
 depend on how many rows are in the call; that is what keeps a token's logits bitwise identical whether
@@ -12,17 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.kernels import QuantizedWeight, embedding, q8_linear, quantize_weight
-from specdec.kernels import gated_activation  # noqa: F401  (re-exported: act(gate) * up of a fused gate_up)
-from specdec.kernels import rms_norm as _rms_norm_kernel
 
 WEIGHT_FORMATS = ("q8", "fp32")
-
-
-def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """hidden [..., dim] fp32, weight [dim] (effective multiplier) -> [..., dim]."""
-    return _rms_norm_kernel(hidden, weight, eps)
-
-
 
 
 class RotaryTable:
@@ -45,15 +37,6 @@ class RotaryTable:
         if max_position + 1 > self.cos.shape[0]:
             self._grow(max(max_position + 1, 2 * self.cos.shape[0], 1024))
         return self.cos, self.sin
-
-    def apply(self, states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """states [tokens, heads, head_dim], positions [tokens] -> rotated states, in differentiable torch ops
-        (the transformer's forward uses the fused `kernels.qk_norm_rope` instead)."""
-        cos, sin = self.tables(int(positions.max()))
-        cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]  # [tokens, 1, head_dim]
-        half = states.shape[-1] // 2
-        rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-        return states * cos + rotated * sin
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.engine.batch import ForwardBatch
-from specdec.kernels import QKNormRope, attention, qk_norm_rope
+from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
 from specdec.models.config import ModelConfig
-from specdec.models.layers import Linear, RotaryTable, gated_activation, rms_norm
+from specdec.models.layers import Linear, RotaryTable
 
 
 @dataclass(frozen=True)
