@@ -152,11 +152,9 @@ def plot(points: list[SweepPoint], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from specdec.runtime import configure_threads
+    from specdec.runtime import configure_threads, load_model
 
     configure_threads(args.threads)
-    from specdec.runtime import load_model
-
     batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
     config = method_config(args.method, args.model)
     llms = build_llms(load_model(args.model), config, max(batch_sizes), args.max_verify_tokens)
