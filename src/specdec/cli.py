@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from specdec.config import DRAFT_POLICIES
 from specdec.engine.sequence import TokenKind
 
 COLOURS = {  # ANSI colours for --show-drafts
@@ -33,7 +34,7 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     parser.add_argument("--show-drafts", action="store_true", help="colour accepted (green), recovered (yellow) and bonus (cyan) tokens")
     parser.add_argument("--compare-plain", action="store_true", help="also decode without speculation and print the speed-up")
-    parser.add_argument("--draft-policy", default="adaptive", choices=["adaptive", "fixed"],
+    parser.add_argument("--draft-policy", default="adaptive", choices=DRAFT_POLICIES,
                         help="adaptive: k per step from acceptance and measured costs (<= num_speculative_tokens); fixed: always k")
     parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
     parser.add_argument("--max-model-len", type=int, default=4096)

@@ -8,10 +8,16 @@ from dataclasses import dataclass
 from typing import Any
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "medusa")
-METHODS_WITH_MODEL = ("draft_model", "eagle", "medusa")
+# what 'model' names for the methods that need one
+MODEL_MEANING = {
+    "draft_model": "the draft model's name or path",
+    "eagle": "the head file written by `specdec train-draft`",
+    "medusa": "the head file written by `specdec train-draft`",
+}
 METHODS_WITHOUT_DRAFT_MODEL = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_DRAFT_BRANCHES = 8
+DRAFT_POLICIES = ("adaptive", "fixed")  # adaptive: k per step from acceptance and measured costs; fixed: always k
 
 
 def _require_int(owner: str, name: str, value: object) -> None:
@@ -158,11 +164,8 @@ class SpeculativeConfig:
             )
         if self.model is not None and not (isinstance(self.model, str) and self.model):
             raise ValueError(f"SpeculativeConfig.model must be a non-empty string or None, got {self.model!r}")
-        if self.method == "draft_model" and self.model is None:
-            raise ValueError("speculative method 'draft_model' needs 'model' (the draft model's name or path)")
-        if self.method in METHODS_WITH_MODEL and self.model is None:
-            raise ValueError(f"speculative method {self.method!r} needs 'model' (the head file written by "
-                             "`specdec train-draft`)")
+        if self.method in MODEL_MEANING and self.model is None:
+            raise ValueError(f"speculative method {self.method!r} needs 'model' ({MODEL_MEANING[self.method]})")
         if self.method in METHODS_WITHOUT_DRAFT_MODEL and self.model is not None:
             raise ValueError(
                 f"speculative method {self.method!r} uses no draft model, but 'model' was given: {self.model!r}"

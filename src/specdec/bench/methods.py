@@ -126,7 +126,7 @@ def _method_spec(name: str, config_text: str, target: str, taken_labels: list[st
         if overrides or draft_policy is not None:
             raise ValueError(f"method 'none' takes no speculative config, got {overrides or {'draft_policy': draft_policy}}")
         return MethodSpec(label, name)
-    from specdec.engine.adaptive import DRAFT_POLICIES
+    from specdec.config import DRAFT_POLICIES
 
     if draft_policy is not None and draft_policy not in DRAFT_POLICIES:
         raise ValueError(f"unknown draft_policy {draft_policy!r} for method {label!r}; known: {', '.join(DRAFT_POLICIES)}")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.bench.datasets import Question, load_questions
+from specdec.config import DRAFT_POLICIES
 from specdec.bench.methods import Generation, MethodSpec, Runner, draft_model_of, parse_methods
 
 WARMUP_MESSAGES = [{"role": "user", "content": "Say hello and name three colours."}]
@@ -82,7 +83,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run a peer engine (repeatable)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
-    parser.add_argument("--draft-policy", default="adaptive", choices=["adaptive", "fixed"],
+    parser.add_argument("--draft-policy", default="adaptive", choices=DRAFT_POLICIES,
                         help="adaptive: k per step from acceptance and measured costs; fixed: always the method's k")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--device", default=None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence as SequenceOf
 
+from specdec.config import DRAFT_POLICIES
 from specdec.engine.cost_model import CostCalibration, CostModel
 from specdec.engine.draft_policy import DraftLengthPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
@@ -141,9 +142,6 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         current = {seq.request_id for seq in seqs}
         for request_id in [r for r in self._estimates if r not in current]:
             del self._estimates[request_id]
-
-
-DRAFT_POLICIES = ("adaptive", "fixed")
 
 
 def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: int, max_verify_tokens: int,
