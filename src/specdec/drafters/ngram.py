@@ -20,6 +20,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter, check_propose_args, unknown_request_error
+from specdec.drafters.tree import distinct_branches
 
 _OCCURRENCES_PER_BRANCH = 4  # end positions kept per n-gram and branch (repeats give the same continuation)
 
@@ -71,16 +72,16 @@ class _NgramIndex:
     def propose_branches(self, max_tokens: int) -> list[tuple[int, ...]]:
         """Up to num_branches distinct continuations: the chain (propose) first, then the alternatives that
         leave it at each depth, shallowest first (see the module docstring)."""
-        chain = self.propose(max_tokens)
-        branches = [chain] if chain else []
+        return distinct_branches(self._branch_candidates(self.propose(max_tokens), max_tokens), self.num_branches)
+
+    def _branch_candidates(self, chain: tuple[int, ...], max_tokens: int):
+        """The chain, then at each depth d the continuations that leave it there: chain[:d] + continuation."""
+        if chain:
+            yield chain
         for depth in range(len(chain)):
             for continuation in self._continuations(chain[:depth], max_tokens - depth):
-                branch = (*chain[:depth], *continuation)
-                if continuation[0] != chain[depth] and not any(other[: len(branch)] == branch for other in branches):
-                    branches.append(branch)
-                if len(branches) == self.num_branches:
-                    return branches
-        return branches
+                if continuation[0] != chain[depth]:
+                    yield (*chain[:depth], *continuation)
 
     def _continuations(self, draft_prefix: tuple[int, ...], max_tokens: int):
         """Continuations of the earlier occurrences of the suffixes of sequence + draft_prefix: longest

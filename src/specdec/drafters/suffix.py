@@ -37,6 +37,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter, check_propose_args, unknown_request_error
+from specdec.drafters.tree import distinct_branches
 
 
 class _TrieNode:
@@ -108,15 +109,6 @@ def _other_branches(candidate: _Candidate, max_tokens: int, min_token_prob: floa
         rest = _follow(child, max_tokens - depth - 1, min_token_prob, prob)
         branches.append((*candidate.token_ids[:depth], token_id, *rest.token_ids))
     return branches
-
-
-def _new_branches(branches: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """The branches without those that repeat a prefix of an earlier branch (they add no tree node)."""
-    kept: list[tuple[int, ...]] = []
-    for branch in branches:
-        if not any(other[: len(branch)] == branch for other in kept):
-            kept.append(branch)
-    return kept
 
 
 def _max_match_length(max_depth: int, max_tokens: int) -> int:
@@ -275,7 +267,7 @@ class SuffixDrafter(Drafter):
         others = _other_branches(best, max_tokens, self.min_token_prob, self.num_branches - 1)
         if best is own_candidate:
             others += trie.shorter_matches(best.start, max_tokens, self.min_token_prob)
-        return Draft.from_branches(_new_branches([best.token_ids, *others])[: self.num_branches])
+        return Draft.from_branches(distinct_branches([best.token_ids, *others], self.num_branches))
 
     def observe(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._trie(request_id).extend(token_ids)

@@ -11,7 +11,7 @@ target's argmax (verify.tree.verify_greedy_tree). Sampled requests verify the fi
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -91,3 +91,16 @@ class DraftTree:
     def truncated(self, max_nodes: int) -> "DraftTree":
         """The first max_nodes nodes (still a tree: parents come first)."""
         return DraftTree(self.token_ids[:max_nodes], self.parents[:max_nodes])
+
+
+def distinct_branches(branches: Iterable[Sequence[int]], limit: int) -> list[tuple[int, ...]]:
+    """Up to `limit` branches, in order, skipping those that repeat a prefix of an earlier one (they would add
+    no tree node); `branches` is consumed only as far as needed."""
+    kept: list[tuple[int, ...]] = []
+    for branch in branches:
+        if len(kept) == limit:
+            break
+        branch = tuple(branch)
+        if not any(other[: len(branch)] == branch for other in kept):
+            kept.append(branch)
+    return kept
