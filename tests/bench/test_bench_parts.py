@@ -112,3 +112,33 @@ def test_each_runner_sees_its_own_previous_answer(tiny_tokenizer, tmp_path):
     assert fast["acceptance_rate"] == pytest.approx(0.75) and fast["mean_accepted_length"] == pytest.approx(2.5)
     assert fast["position_acceptance_rates"] == [1.0, 0.5]
     assert results["lossless"] is False
+
+
+class TimedRunner(ScriptedRunner):
+    """Scripted answer with a scripted request time and time to first token."""
+
+    def __init__(self, label, reference, answer, wall_s, first_token_s):
+        super().__init__(label, reference, answer)
+        self.wall_s, self.first_token_s = wall_s, first_token_s
+
+    def generate(self, prompt_token_ids, max_new_tokens):
+        return Generation(list(self.answer[:max_new_tokens]), wall_s=self.wall_s, first_token_s=self.first_token_s)
+
+
+def test_decode_phase_leaves_out_the_time_to_first_token(tiny_tokenizer, tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"question_id": 1, "category": "summarization", "turns": ["sum up"]}) + "\n")
+    answer = list(range(5, 16))  # 11 tokens: 1 first + 10 decoded
+    plain = TimedRunner("none", None, answer, wall_s=3.0, first_token_s=1.0)  # 10 tokens in 2 s
+    fast = TimedRunner("fast", "none", answer, wall_s=1.5, first_token_s=1.0)  # 10 tokens in 0.5 s
+    blind = TimedRunner("blind", "none", answer, wall_s=1.5, first_token_s=None)  # no first-token time
+    records = run_round(0, load_questions(path), [plain, fast, blind], tiny_tokenizer, 16, NullProgress())
+    results = build_results({}, [r.describe() for r in (plain, fast, blind)], records, check_lossless(records))
+    summary = {label: results["summary"][label][OVERALL] for label in ("none", "fast", "blind")}
+    assert summary["none"]["decode_tokens_per_s"] == pytest.approx(5.0)
+    assert summary["fast"]["decode_tokens_per_s"] == pytest.approx(20.0)
+    assert summary["fast"]["decode_speedup"] == pytest.approx(4.0)
+    assert summary["fast"]["speedup"] == pytest.approx(2.0)  # whole request: 11 / 1.5 over 11 / 3
+    assert summary["fast"]["ttft_s"] == pytest.approx(1.0)
+    assert summary["blind"]["decode_tokens_per_s"] is None and summary["blind"]["decode_speedup"] is None
+    assert summary["blind"]["ttft_s"] is None

@@ -46,6 +46,7 @@ class Generation:
     token_ids: list[int]
     wall_s: float  # wall time of the whole request (prefill + decode), measured around the runner's call
     finish_reason: str = ""
+    first_token_s: float | None = None  # time from the call to the first new token (prefill + first step)
     verify_steps: int | None = None
     drafted_tokens: int | None = None
     accepted_tokens: int | None = None
@@ -204,13 +205,21 @@ class SpecdecRunner(Runner):
         from specdec.config import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        first_token_at: list[float] = []
+
+        def on_output(step_output) -> None:
+            if step_output.new_token_ids and not first_token_at:
+                first_token_at.append(time.perf_counter())
+
         started = time.perf_counter()
-        output = self.llm.generate([list(prompt_token_ids)], params, speculative=self.spec.config is not None)[0]
+        output = self.llm.generate([list(prompt_token_ids)], params, speculative=self.spec.config is not None,
+                                   on_output=on_output)[0]
         wall_s = time.perf_counter() - started
         m = output.metrics
         speculative = self.spec.config is not None
         return Generation(
             token_ids=list(output.token_ids), wall_s=wall_s, finish_reason=output.finish_reason,
+            first_token_s=first_token_at[0] - started if first_token_at else None,
             verify_steps=m.verify_steps if speculative else None,
             drafted_tokens=m.drafted_tokens if speculative else None,
             accepted_tokens=m.accepted_tokens if speculative else None,

@@ -5,6 +5,10 @@ Definitions (per method and category; ``overall`` = all prompts of the run):
   tokens_per_s         median over prompts of new_tokens / wall time (prefill included)
   speedup              tokens_per_s / tokens_per_s of the method's reference in the same category and run
                        (ratio of medians; ours against ``none``, peers against their own plain row)
+  ttft_s               median over prompts of the time to the first new token (prefill + first step)
+  decode_tokens_per_s  median over prompts of (new_tokens - 1) / (wall time - ttft): the decode phase alone,
+                       as engines that report "eval" speed measure it; None where a runner gives no ttft
+  decode_speedup       decode_tokens_per_s / the reference's, as speedup
   speedup_median_of_ratios   median over prompts of the per-prompt tok/s ratio (for comparison)
   acceptance_rate      α = accepted / drafted tokens, summed over the category's prompts (round 0)
   mean_accepted_length τ = 1 + accepted tokens / verify steps, summed likewise (tokens per target forward)
@@ -51,22 +55,43 @@ def _select(records: list[dict[str, Any]], method: str, category: str) -> list[d
     return [r for r in records if r["method"] == method and (category == OVERALL or r["category"] == category)]
 
 
-def per_prompt_tokens_per_s(records: list[dict[str, Any]]) -> dict[tuple, float]:
-    """(dataset, question_id, turn) -> new tokens (round 0) / median wall time over rounds."""
-    walls: dict[tuple, list[float]] = defaultdict(list)
+def per_prompt_tokens_per_s(records: list[dict[str, Any]], phase: str = "request") -> dict[tuple, float]:
+    """(dataset, question_id, turn) -> tokens / median seconds over rounds, for one phase:
+
+    ``request``: new tokens (round 0) / wall time; ``decode``: new tokens after the first / (wall time - time to
+    the first token), only for prompts whose records all carry a time to first token and >= 2 new tokens.
+    """
+    seconds: dict[tuple, list[float]] = defaultdict(list)
     tokens: dict[tuple, int] = {}
+    skipped: set[tuple] = set()
     for record in records:
         key = (record["dataset"], record["question_id"], record["turn"])
-        walls[key].append(record["wall_s"])
+        if phase == "decode":
+            first_token_s = record.get("first_token_s")
+            if first_token_s is None or record["new_tokens"] < 2:
+                skipped.add(key)
+                continue
+            seconds[key].append(record["wall_s"] - first_token_s)
+        else:
+            seconds[key].append(record["wall_s"])
         if record["round"] == 0:
-            tokens[key] = record["new_tokens"]
-    return {key: (tokens.get(key, 0) / statistics.median(wall) if statistics.median(wall) > 0 else 0.0)
-            for key, wall in walls.items()}
+            tokens[key] = record["new_tokens"] - (1 if phase == "decode" else 0)
+    return {key: (tokens.get(key, 0) / statistics.median(values) if statistics.median(values) > 0 else 0.0)
+            for key, values in seconds.items() if key not in skipped}
+
+
+def _median_ttft(records: list[dict[str, Any]]) -> float | None:
+    per_prompt: dict[tuple, list[float]] = defaultdict(list)
+    for record in records:
+        if record.get("first_token_s") is not None:
+            per_prompt[(record["dataset"], record["question_id"], record["turn"])].append(record["first_token_s"])
+    return statistics.median(statistics.median(v) for v in per_prompt.values()) if per_prompt else None
 
 
 def summarize(records: list[dict[str, Any]], method: str, category: str) -> dict[str, Any]:
     selected = _select(records, method, category)
     speeds = per_prompt_tokens_per_s(selected)
+    decode_speeds = per_prompt_tokens_per_s(selected, phase="decode")
     first_round = [r for r in selected if r["round"] == 0]
     judged = [r["identical"] for r in selected if r["identical"] is not None]
     drafted = _sum(first_round, "drafted_tokens")
@@ -77,6 +102,9 @@ def summarize(records: list[dict[str, Any]], method: str, category: str) -> dict
         "tokens_per_s": statistics.median(speeds.values()) if speeds else 0.0,
         "speedup": None,
         "speedup_median_of_ratios": None,
+        "ttft_s": _median_ttft(selected),
+        "decode_tokens_per_s": statistics.median(decode_speeds.values()) if decode_speeds else None,
+        "decode_speedup": None,
         "acceptance_rate": accepted / drafted if drafted and accepted is not None else None,
         "mean_accepted_length": 1 + accepted / steps if steps and accepted is not None else None,
         "position_acceptance_rates": _position_rates(first_round),
@@ -112,10 +140,13 @@ def _add_speedups(stats: dict[str, Any], records: list[dict[str, Any]], method: 
                   category: str, reference_stats: dict[str, Any] | None) -> None:
     if reference is None:
         stats["speedup"] = stats["speedup_median_of_ratios"] = 1.0
+        stats["decode_speedup"] = 1.0 if stats["decode_tokens_per_s"] else None
         return
     if not reference_stats or not reference_stats["tokens_per_s"]:
         return
     stats["speedup"] = stats["tokens_per_s"] / reference_stats["tokens_per_s"]
+    if stats["decode_tokens_per_s"] and reference_stats["decode_tokens_per_s"]:
+        stats["decode_speedup"] = stats["decode_tokens_per_s"] / reference_stats["decode_tokens_per_s"]
     mine = per_prompt_tokens_per_s(_select(records, method, category))
     theirs = per_prompt_tokens_per_s(_select(records, reference, category))
     ratios = [mine[key] / theirs[key] for key in mine if theirs.get(key)]
@@ -166,6 +197,11 @@ def markdown(results: dict[str, Any]) -> str:
         + speedup_table(results),
         "## Tokens per second\n\nMedian over prompts of new tokens / wall time (prefill included).\n\n"
         + _table(results, "tokens_per_s", ".1f"),
+        "## Decode phase\n\nSpeed-up and tok/s of the decode phase alone: new tokens after the first / (wall time "
+        "- time to the first token), medians over prompts; the time to the first token (prefill + first step) "
+        "is left out, as engines that report an \"eval\" speed do. `-` where a runner reports no first-token time.\n\n"
+        + _table(results, "decode_speedup", ".2f", "x") + "\n\n" + _table(results, "decode_tokens_per_s", ".1f")
+        + "\n\nMedian time to the first token (s):\n\n" + _table(results, "ttft_s", ".2f"),
         "## Acceptance rate α\n\naccepted / drafted tokens.\n\n" + _table(results, "acceptance_rate", ".2f"),
         "## Mean accepted length τ\n\nTokens emitted per verify step (1 + accepted / steps).\n\n"
         + _table(results, "mean_accepted_length", ".2f"),
