@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.bench.methods import DEFAULT_METHOD_CONFIGS, Generation, MethodSpec, Runner
+from specdec.bench.runner import package_version
 
 
 class PeerUnavailable(ValueError):
@@ -234,7 +236,7 @@ class LlamaCppRunner(_PeerRunner):
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         super().__init__("llama-cpp", label, reference, {
-            "engine": "llama-cpp-python", "version": _package_version("llama-cpp-python"),
+            "engine": "llama-cpp-python", "version": package_version("llama-cpp-python"),
             "prompt_lookup": None if lookup is None else {"num_pred_tokens": lookup.num_pred_tokens,
                                                           "max_ngram_size": lookup.max_ngram_size}})
         self.lookup = lookup
@@ -300,8 +302,6 @@ def vllm_environment(threads: int) -> dict[str, str]:
     Every engine runs in its own processes (vLLM's EngineCore and worker); they are started while this
     environment is in place, so LD_PRELOAD (Intel OpenMP, as vLLM's CPU guide asks for) reaches only them.
     """
-    import sys
-
     environment = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB),
                    "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "OMP_NUM_THREADS": str(threads),
                    "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -333,13 +333,14 @@ class VllmRunner(_PeerRunner):
                  speculative_config: dict[str, Any] | None) -> None:
         environment = vllm_environment(context.threads)
         super().__init__("vllm", label, reference, {
-            "engine": "vllm", "version": _package_version("vllm-cpu"), "model_dir": str(model_dir),
+            "engine": "vllm", "version": package_version("vllm-cpu"), "model_dir": str(model_dir),
             "dtype": VLLM_DTYPE, "speculative_config": speculative_config, "environment": environment})
         with _environment(environment):
             from vllm import LLM as VllmLLM
 
             kwargs = {"speculative_config": speculative_config} if speculative_config else {}
-            # Statistics only where they count drafts: vLLM's metrics registry is per process.
+            # Statistics only where drafts are counted: vLLM's Prometheus registry is process-wide, and a second
+            # engine with statistics would replace the first one's collectors.
             self.llm = VllmLLM(model=str(model_dir), dtype=VLLM_DTYPE, max_model_len=context.max_model_len,
                                max_num_seqs=1, seed=0, disable_log_stats=speculative_config is None, **kwargs)
         self.num_speculative_tokens = speculative_config["num_speculative_tokens"] if speculative_config else 0
@@ -382,15 +383,6 @@ class VllmRunner(_PeerRunner):
                 counters["accepted_per_position"] = [
                     total + int(value) for total, value in zip(counters["accepted_per_position"], metric.values)]
         return counters
-
-
-def _package_version(distribution: str) -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 PEERS: dict[str, type[Peer]] = {peer.name: peer for peer in (TransformersPeer, LlamaCppPeer, VllmPeer)}
