@@ -1,4 +1,4 @@
-"""`specdec` command line: generate, models, pull (bench, serve and plan come with their issues)."""
+"""`specdec` command line: generate, models, pull, export-hf (bench, serve and plan come with their issues)."""
 from __future__ import annotations
 
 import argparse
@@ -117,6 +117,16 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from specdec.models.export import export_model_hf
+
+    started = time.perf_counter()
+    out = export_model_hf(args.model, args.out_dir, args.dtype)
+    print(f"[exported {args.model} in {time.perf_counter() - started:.1f} s]", file=sys.stderr)
+    print(out)
+    return 0
+
+
 def cmd_build_kernels(args: argparse.Namespace) -> int:
     from specdec.kernels import build_kernels
 
@@ -186,6 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     pull = commands.add_parser("pull", help="install and assemble catalogue models")
     pull.add_argument("names", nargs="+")
     pull.set_defaults(handler=cmd_pull)
+    from specdec.models.export import EXPORT_DTYPES
+
+    export_hf = commands.add_parser("export-hf", help="write a model as a Hugging Face directory (dequantized "
+                                                      "safetensors, config.json, tokenizer), e.g. for vLLM")
+    export_hf.add_argument("model", help="catalogue name, .gguf path or HF directory")
+    export_hf.add_argument("out_dir", help="output directory (created; existing files are overwritten)")
+    export_hf.add_argument("--dtype", default="float32", choices=list(EXPORT_DTYPES),
+                           help="dtype of the written weights (default float32: the exact dequantized values)")
+    export_hf.set_defaults(handler=cmd_export_hf)
     from specdec.bench.runner import add_bench_arguments
 
     bench = commands.add_parser("bench", help="Spec-Bench-style benchmark of the methods (and peers), lossless check")

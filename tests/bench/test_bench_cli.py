@@ -111,7 +111,7 @@ def test_missing_peer_is_a_clear_error(peer, module, tiny_model_dir, spec_bench_
     argv = ["bench", "--model", str(tiny_model_dir), "--dataset", str(spec_bench_file), "--out", str(tmp_path),
             "--peer", peer]
     assert main(argv) == 2
-    assert "not installed" in capsys.readouterr().err
+    assert "not installed; run scripts/install-peers.sh" in capsys.readouterr().err
 
 
 def test_transformers_peer_rows_checked_against_their_own_plain(tiny_model_dir, spec_bench_file, tmp_path):

@@ -302,7 +302,7 @@ def _metadata(options: BenchOptions, specs: list[MethodSpec], threads: int, load
         "limit": options.limit, "max_new_tokens": options.max_new_tokens, "repeats": options.repeats,
         "methods": [asdict(spec) for spec in specs], "peers": options.peers, "weight_format": options.weight_format,
         "threads": threads, "device": device, "torch_version": torch.__version__,
-        "specdec_version": _version("specdec"), "python": platform.python_version(),
+        "specdec_version": package_version("specdec"), "python": platform.python_version(),
         "platform": platform.platform(), "processor": platform.processor(), "git_commit": _git_commit(),
         "model_load_s": load_s, "command_line": list(argv) if argv is not None else sys.argv,
         "options": {key: str(value) if isinstance(value, Path) else value for key, value in asdict(options).items()},
@@ -310,7 +310,8 @@ def _metadata(options: BenchOptions, specs: list[MethodSpec], threads: int, load
     }
 
 
-def _version(package: str) -> str | None:
+def package_version(package: str) -> str | None:
+    """The installed version of a distribution, None when it is not installed."""
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:

@@ -629,6 +629,10 @@ _HF_LAYER_LEAVES = {
 }
 _HF_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _HF_LAYER_PATTERN = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_HF_LAYER_LEAVES_BY_CANONICAL = {canonical: leaf for leaf, canonical in _HF_LAYER_LEAVES.items()}
+_CANONICAL_LAYER_PATTERN = re.compile(r"^layers\.(\d+)\.([a-z_]+)(\.bias)?$")
+# Gemma's RMSNorm multiplies by (1 + w): HF files store w, canonical tensors (and GGUF files) the multiplier.
+GEMMA_NORM_OFFSET = 1.0
 
 
 def load_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
@@ -754,7 +758,7 @@ def _canonical_hf_tensors(raw: dict[str, torch.Tensor], config: ModelConfig, pat
                 continue
             raise ModelLoadError(f"{path}: unexpected tensor {hf_name!r}")
         if is_gemma and _is_norm(name):
-            value = value + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
+            value = value + GEMMA_NORM_OFFSET
         tensors[name] = value.contiguous()
     if config.tie_word_embeddings:
         tensors.pop("lm_head", None)
@@ -782,6 +786,29 @@ def _canonical_hf_name(hf_name: str, is_gemma: bool) -> str | None:
     if canonical_leaf is None:
         return None
     return f"layers.{layer}.{canonical_leaf}" + (".bias" if kind == "bias" else "")
+
+
+def hf_tensor_name(name: str, architecture: str) -> str:
+    """The Hugging Face name of a canonical tensor (inverse of the names ``load_hf_dir`` reads)."""
+    if name == "lm_head":
+        return "lm_head.weight"
+    if name in ("embed_tokens", "norm"):
+        return f"model.{name}.weight"
+    match = _CANONICAL_LAYER_PATTERN.match(name)
+    if match:
+        layer, canonical_leaf, bias = match.groups()
+        if canonical_leaf == ("post_attn_norm" if architecture == "gemma3" else "ffn_norm"):
+            leaf = "post_attention_layernorm"
+        else:
+            leaf = _HF_LAYER_LEAVES_BY_CANONICAL.get(canonical_leaf)
+        if leaf is not None and (architecture == "gemma3" or not leaf.endswith("_feedforward_layernorm")):
+            return f"model.layers.{layer}.{leaf}" + (".bias" if bias else ".weight")
+    raise ValueError(f"canonical tensor {name!r} has no Hugging Face name for architecture {architecture!r}")
+
+
+def hf_tensor_value(name: str, value: torch.Tensor, architecture: str) -> torch.Tensor:
+    """A canonical tensor as the Hugging Face file stores it (inverse of ``load_hf_dir``'s transform)."""
+    return value - GEMMA_NORM_OFFSET if architecture == "gemma3" and _is_norm(name) else value
 
 
 def _is_norm(name: str) -> bool:
