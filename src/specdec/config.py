@@ -110,7 +110,10 @@ class SpeculativeConfig:
           tree's nodes at the sequence's share of max_verify_tokens rows. Trees are greedy-only: a sampled
           request (temperature > 0) drafts and verifies one chain, whatever this key. Branches: ngram, the
           continuations of earlier occurrences; suffix, the other continuations of the matched trie path;
-          draft_model, the top-b first tokens, each followed by its greedy chain.
+          draft_model, forks at runner-up tokens where the draft model is unsure, each continued greedily.
+      draft_tree_min_prob: draft_model trees only: a runner-up token becomes a new branch only when the
+          draft probability of its path (the tokens before it times its own) is at least this, in [0, 1]
+          (default 0.05).
 
     Our keys (suffix drafter only):
       suffix_max_depth: depth limit of the suffix trie = longest context + draft it can match (>= 1).
@@ -129,6 +132,7 @@ class SpeculativeConfig:
     suffix_min_token_prob: float = 0.1
     suffix_cache_requests: int = 64
     num_draft_branches: int = 1
+    draft_tree_min_prob: float = 0.05
 
     def __post_init__(self) -> None:
         self._validate_method_and_model()
@@ -154,6 +158,9 @@ class SpeculativeConfig:
         _require_at_least(owner, "num_draft_branches", self.num_draft_branches, 1)
         if self.num_draft_branches > MAX_DRAFT_BRANCHES:
             raise ValueError(f"{owner}.num_draft_branches must be <= {MAX_DRAFT_BRANCHES}, got {self.num_draft_branches}")
+        _require_number(owner, "draft_tree_min_prob", self.draft_tree_min_prob)
+        if not 0 <= self.draft_tree_min_prob <= 1:
+            raise ValueError(f"{owner}.draft_tree_min_prob must be in [0, 1], got {self.draft_tree_min_prob}")
 
     def _validate_method_and_model(self) -> None:
         if not isinstance(self.method, str):

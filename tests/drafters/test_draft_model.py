@@ -1,5 +1,6 @@
-"""Draft-model token trees: the top first tokens, each followed by exactly the greedy chain the draft model
-decodes from it alone (branch j > 0 is computed at scratch positions with tree keys)."""
+"""Draft-model token trees: branch 0 is the chain; forks take runner-up tokens where the path is likely enough,
+and every branch continues exactly as the draft model decodes that path alone (branch j > 0 is computed at
+scratch positions with tree keys, sharing its parents' nodes)."""
 import pytest
 import torch
 
@@ -17,21 +18,56 @@ def chain(model, prompt, k):
     return drafter.propose(["r"], [k])[0].token_ids
 
 
-@pytest.mark.parametrize("architecture,overrides", [("llama", {}), ("gemma3", {"sliding_window": 3})])
-def test_tree_branches_are_the_chains_of_the_top_first_tokens(make_tiny_model, architecture, overrides):
-    model = make_tiny_model(architecture, **overrides)
-    drafter = DraftModelDrafter(model, max_num_seqs=2, max_model_len=64, num_branches=3)
-    drafter.add_request("r", PROMPT, SamplingParams(), None)
-    (draft,) = drafter.propose(["r"], [5])
+def next_token_probs(model, tokens):
+    """The draft model's next-token distribution after `tokens`, computed alone in a fresh cache."""
     cache = KVCache(model.config, 1, 64)
-    logits = model.forward(ForwardBatch.build([PROMPT], [0], [0], all_logits=False), cache)  # [1, vocab]
-    first_tokens = logits[0].topk(3).indices.tolist()
-    branches = [[draft.tree.token_ids[n] for n in draft.tree.path(leaf)]
-                for leaf in range(draft.tree.num_nodes) if not draft.tree.children(leaf)]
-    assert draft.token_ids == chain(model, PROMPT, 5)
-    assert [branch[0] for branch in branches] == first_tokens
-    for branch in branches:
-        assert tuple(branch[1:]) == chain(model, PROMPT + branch[:1], 4)
+    logits = model.forward(ForwardBatch.build([list(tokens)], [0], [0], all_logits=False), cache)  # [1, vocab]
+    return torch.softmax(logits[0].float(), dim=-1), int(logits[0].argmax())
+
+
+def leaf_paths(tree):
+    return [[tree.token_ids[n] for n in tree.path(leaf)] for leaf in range(tree.num_nodes) if not tree.children(leaf)]
+
+
+@pytest.mark.parametrize("architecture,overrides", [("llama", {}), ("gemma3", {"sliding_window": 3})])
+@pytest.mark.parametrize("num_branches", [2, 4])
+def test_tree_forks_at_runner_ups_and_continues_as_decoded_alone(make_tiny_model, architecture, overrides,
+                                                                   num_branches):
+    model = make_tiny_model(architecture, **overrides)
+    k = 5
+    drafter = DraftModelDrafter(model, max_num_seqs=2, max_model_len=64, num_branches=num_branches, min_branch_prob=0.0)
+    drafter.add_request("r", PROMPT, SamplingParams(), None)
+    (draft,) = drafter.propose(["r"], [k])
+    assert draft.token_ids == chain(model, PROMPT, k)  # branch 0 is the chain draft
+    paths = leaf_paths(draft.tree)
+    assert len(paths) == num_branches  # with no threshold every branch slot is used
+    forks = 0
+    for path in paths:
+        assert len(path) == k
+        for depth in range(k):  # every token is what the draft model, run alone on the path so far, ranks
+            probs, best = next_token_probs(model, PROMPT + path[:depth])  # first (greedy) or second (a fork)
+            runner_up = int(probs.clone().index_fill_(0, torch.tensor([best]), -1.0).argmax())
+            assert path[depth] in (best, runner_up), (path, depth)
+            forks += path[depth] != best
+    assert forks >= num_branches - 1
+
+
+def test_forks_respect_the_threshold_and_budget(make_tiny_model):
+    model = make_tiny_model("qwen2")
+    k = 4
+    # a fork is worth the draft probability of its path (< 1): a threshold of 1 allows none -> a chain
+    drafter = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, num_branches=3, min_branch_prob=1.0)
+    drafter.add_request("r", PROMPT, SamplingParams(), None)
+    (draft,) = drafter.propose(["r"], [k])
+    assert draft.tree is None and draft.token_ids == chain(model, PROMPT, k)
+    # one fork slot and no threshold: the slot goes to the first offer, the root's runner-up, continued greedily
+    drafter = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, num_branches=2, min_branch_prob=0.0)
+    drafter.add_request("r", PROMPT, SamplingParams(), None)
+    (draft,) = drafter.propose(["r"], [k])
+    probs, best = next_token_probs(model, PROMPT)
+    runner_up = int(probs.clone().index_fill_(0, torch.tensor([best]), -1.0).argmax())
+    assert leaf_paths(draft.tree) == [list(chain(model, PROMPT, k)),
+                                      [runner_up, *chain(model, PROMPT + [runner_up], k - 1)]]
 
 
 def test_sampled_requests_draft_chains(make_tiny_model):

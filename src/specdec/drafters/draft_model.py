@@ -6,11 +6,15 @@ sequence stays valid (rollback = truncating that list), and the next proposal fi
 draft model has not seen yet — the recovered/bonus token, and after a fully accepted draft also the last
 draft token (catch-up), all in the same batched forward.
 
-With num_branches = b > 1, a greedy request drafts a token tree: the b most likely first tokens, each
-followed by its own greedy chain, all branches advanced together, one row each, in every later forward.
-Branch 0 (the argmax chain, exactly the chain draft) sits in place in the draft cache; branch j > 0 is
-written at scratch positions base + j * k + depth and attends the committed prefix plus its own earlier
-nodes (tree keys), so its tokens are those of the same chain decoded alone. Sampled requests draft chains.
+With num_branches = b > 1, a greedy request drafts a token tree grown where the draft model is unsure
+(EAGLE-2's idea, decided online): branch 0 is the argmax chain, exactly the chain draft; at every depth each
+live branch offers its runner-up token as a fork, worth the draft probability of the path up to it, and the
+best offers whose worth reaches `min_branch_prob` become new branches while fewer than b exist. Every branch
+then continues greedily; all are advanced together, one row each, in every later forward. Branch 0 sits in
+place in the draft cache; branch j > 0 writes its nodes at scratch positions base + j * k + depth and attends
+the committed prefix, the in-place nodes of branch 0 it shares, the scratch nodes it shares with the branch it
+forked from, and its own, so its tokens are those of the same path decoded alone. Sampled requests draft
+chains.
 """
 from __future__ import annotations
 
@@ -37,12 +41,26 @@ class _DraftState:
     cached_token_ids: list[int] = field(default_factory=list)  # tokens with valid draft-cache entries, by position
 
 
+@dataclass
+class _Branch:
+    """One branch of a greedy draft tree while it is drafted."""
+
+    token_ids: list[int]  # its draft tokens from depth 0 (the prefix it shares with its parent included)
+    path_prob: float = 1.0  # draft probability of its tokens so far (product over depths)
+    shared_depth: int = 0  # leading nodes it shares with branch 0 (in place in the draft cache); unused for branch 0
+    scratch_positions: list[int] = field(default_factory=list)  # draft-cache positions of its fed scratch nodes
+
+
 class DraftModelDrafter(Drafter):
-    def __init__(self, model: Transformer, max_num_seqs: int, max_model_len: int, num_branches: int = 1) -> None:
+    def __init__(self, model: Transformer, max_num_seqs: int, max_model_len: int, num_branches: int = 1,
+                 min_branch_prob: float = 0.05) -> None:
         if num_branches < 1:
             raise ValueError(f"num_branches must be >= 1, got {num_branches}")
+        if not 0.0 <= min_branch_prob <= 1.0:
+            raise ValueError(f"min_branch_prob must be in [0, 1], got {min_branch_prob}")
         self.model = model
         self.num_branches = num_branches
+        self.min_branch_prob = min_branch_prob
         self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device)
         self.states: dict[str, _DraftState] = {}
 
@@ -66,7 +84,7 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
         states = [self.states[request_id] for request_id in request_ids]
-        branches: list[list[list[int]]] = [[[]] for _ in states]  # per request, per branch: its tokens
+        branches: list[list[_Branch]] = [[_Branch([])] for _ in states]  # per request; branch 0 = the chain
         draft_probs: list[list[torch.Tensor]] = [[] for _ in states]
         # Step 0 feeds every token the draft cache lacks; later steps feed each branch's last token.
         active = [i for i, budget in enumerate(max_draft_tokens) if budget > 0]
@@ -74,28 +92,15 @@ class DraftModelDrafter(Drafter):
             pending = [states[i].token_ids[len(states[i].cached_token_ids):] for i in active]
             logits = self._forward([states[i] for i in active], pending)  # [active, vocab]
             for row, i in enumerate(active):
-                branches[i] = self._first_tokens(states[i], logits[row : row + 1], max_draft_tokens[i], draft_probs[i])
-            active = [i for i in active if len(branches[i][0]) < max_draft_tokens[i]]
+                self._next_tokens(states[i], branches[i], logits[row : row + 1], max_draft_tokens[i], draft_probs[i])
+            active = [i for i in active if len(branches[i][0].token_ids) < max_draft_tokens[i]]
         while active:
             logits_per_seq = self._forward_branches([states[i] for i in active], [branches[i] for i in active],
                                                     [max_draft_tokens[i] for i in active])  # each [branches, vocab]
             for i, logits in zip(active, logits_per_seq):
-                self._next_tokens(states[i], branches[i], logits, draft_probs[i])
-            active = [i for i in active if len(branches[i][0]) < max_draft_tokens[i]]
+                self._next_tokens(states[i], branches[i], logits, max_draft_tokens[i], draft_probs[i])
+            active = [i for i in active if len(branches[i][0].token_ids) < max_draft_tokens[i]]
         return [self._draft(request_branches, probs) for request_branches, probs in zip(branches, draft_probs)]
-
-    def _first_tokens(self, state: _DraftState, logits: torch.Tensor, max_tokens: int,
-                      draft_probs: list[torch.Tensor]) -> list[list[int]]:
-        """logits [1, vocab] -> one branch per first token: the top tokens for a tree, else one draft token."""
-        num_branches = self._num_branches(state, max_tokens)
-        if num_branches > 1:  # the argmax first (ties: the first index, as the chain), then the runners-up
-            best = int(logits[0].argmax())
-            others = [token_id for token_id in logits[0].topk(num_branches).indices.tolist() if token_id != best]
-            return [[best], *([token_id] for token_id in others[: num_branches - 1])]
-        token_id, probs = self._draft_token(state, logits)
-        if probs is not None:
-            draft_probs.append(probs)
-        return [[token_id]]
 
     def _num_branches(self, state: _DraftState, max_tokens: int) -> int:
         """Branches of a greedy request's tree, as many as fit in the draft cache's scratch positions."""
@@ -104,26 +109,45 @@ class DraftModelDrafter(Drafter):
         room = (self.cache.max_len - len(state.token_ids)) // max_tokens
         return max(1, min(self.num_branches, room))
 
-    def _next_tokens(self, state: _DraftState, branches: list[list[int]], logits: torch.Tensor,
+    def _next_tokens(self, state: _DraftState, branches: list[_Branch], logits: torch.Tensor, max_tokens: int,
                      draft_probs: list[torch.Tensor]) -> None:
-        """logits [branches, vocab]: the next token of every branch (greedy argmax for trees)."""
-        if len(branches) > 1:
-            for branch, token_id in zip(branches, logits.argmax(dim=-1).tolist()):
-                branch.append(token_id)
+        """logits [branches, vocab]: every branch's next token; for a tree, also the forks worth taking."""
+        max_branches = self._num_branches(state, max_tokens)
+        if max_branches == 1:
+            token_id, probs = self._draft_token(state, logits)
+            branches[0].token_ids.append(token_id)
+            if probs is not None:
+                draft_probs.append(probs)
             return
-        token_id, probs = self._draft_token(state, logits)
-        branches[0].append(token_id)
-        if probs is not None:
-            draft_probs.append(probs)
+        probs = torch.softmax(logits.float(), dim=-1)  # [branches, vocab]
+        best = logits.argmax(dim=-1).tolist()  # the chain's choice (ties: the first index)
+        top2_probs, top2_ids = probs.topk(2, dim=-1)  # each [branches, 2]
+        offers = []  # (worth, branch index, runner-up token)
+        for index, (branch, best_id) in enumerate(zip(branches, best)):
+            ids, values = top2_ids[index].tolist(), top2_probs[index].tolist()
+            runner_up = 1 if ids[0] == best_id else 0
+            offers.append((branch.path_prob * values[runner_up], index, ids[runner_up]))
+            branch.path_prob *= float(probs[index, best_id])
+        depth = len(branches[0].token_ids)
+        forks = []
+        for worth, index, token_id in sorted(offers, key=lambda offer: -offer[0]):
+            if len(branches) + len(forks) >= max_branches or worth < self.min_branch_prob:
+                break
+            parent = branches[index]
+            forks.append(_Branch(parent.token_ids[:depth] + [token_id], worth,
+                                 depth if index == 0 else parent.shared_depth, list(parent.scratch_positions)))
+        for branch, best_id in zip(branches, best):
+            branch.token_ids.append(best_id)
+        branches.extend(forks)
 
     @staticmethod
-    def _draft(branches: list[list[int]], draft_probs: list[torch.Tensor]) -> Draft:
+    def _draft(branches: list[_Branch], draft_probs: list[torch.Tensor]) -> Draft:
         if len(branches) == 1:
-            return Draft(tuple(branches[0]), torch.cat(draft_probs) if draft_probs else None)
-        tree = DraftTree.from_branches(branches)
+            return Draft(tuple(branches[0].token_ids), torch.cat(draft_probs) if draft_probs else None)
+        tree = DraftTree.from_branches([branch.token_ids for branch in branches])
         return Draft(tree.first_branch(), None, tree)
 
-    def _forward_branches(self, states: list[_DraftState], branches: list[list[list[int]]],
+    def _forward_branches(self, states: list[_DraftState], branches: list[list[_Branch]],
                           max_tokens: list[int]) -> list[torch.Tensor]:
         """Feeds every branch's last token (one row per branch); returns per request [branches, vocab]."""
         rows = [_branch_rows(len(state.token_ids), request_branches, k)
@@ -131,7 +155,7 @@ class DraftModelDrafter(Drafter):
         batch = ForwardBatch.from_rows(*zip(*rows), [state.slot for state in states], device=self.model.device)
         logits = self.model.forward(batch, self.cache)  # [rows, vocab]
         for state, request_branches in zip(states, branches):
-            state.cached_token_ids.append(request_branches[0][-1])  # branch 0 sits in place
+            state.cached_token_ids.append(request_branches[0].token_ids[-1])  # branch 0 sits in place
         return batch.split_logits(logits)
 
     def _forward(self, states: list[_DraftState], new_tokens: list[list[int]]) -> torch.Tensor:
@@ -156,15 +180,24 @@ class DraftModelDrafter(Drafter):
         return int(sample(probs, state.generator)[0]), probs
 
 
-def _branch_rows(base: int, branches: list[list[int]], max_tokens: int):
+def _branch_rows(base: int, branches: list[_Branch], max_tokens: int):
     """Rows feeding each branch's last token: (tokens, RoPE positions, cache positions, prefix ends, tree keys).
 
-    The token at depth d of branch j belongs at RoPE position base + d; branch 0 is stored in place,
-    branch j > 0 at base + j * max_tokens + d, attending the prefix < base and its own nodes.
+    The token at depth d belongs at RoPE position base + d. Branch 0 is stored in place (prefix end
+    base + d + 1); branch j > 0 stores its depth-d node at base + j * max_tokens + d and attends the
+    positions < base + shared_depth plus its scratch positions (recorded here as each node is fed).
     """
-    depth = len(branches[0]) - 1
-    cache_positions = [base + j * max_tokens + depth if j else base + depth for j in range(len(branches))]
-    prefix_ends = [base if j else base + depth + 1 for j in range(len(branches))]
-    tree_keys = [[base + j * max_tokens + d for d in range(depth + 1)] if j else [] for j in range(len(branches))]
-    return ([branch[-1] for branch in branches], [base + depth] * len(branches), cache_positions, prefix_ends,
-            tree_keys)
+    depth = len(branches[0].token_ids) - 1
+    cache_positions, prefix_ends, tree_keys = [], [], []
+    for j, branch in enumerate(branches):
+        if j == 0:
+            cache_positions.append(base + depth)
+            prefix_ends.append(base + depth + 1)
+            tree_keys.append([])
+            continue
+        branch.scratch_positions.append(base + j * max_tokens + depth)
+        cache_positions.append(branch.scratch_positions[-1])
+        prefix_ends.append(base + branch.shared_depth)
+        tree_keys.append(list(branch.scratch_positions))
+    return ([branch.token_ids[-1] for branch in branches], [base + depth] * len(branches), cache_positions,
+            prefix_ends, tree_keys)

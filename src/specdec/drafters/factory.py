@@ -40,7 +40,8 @@ def _build_draft_model(config, target: Transformer, tokenizer: Tokenizer, weight
             f"the target ({target.config.num_parameters / 1e6:.0f}M): speculation will likely be slower",
             stacklevel=2,
         )
-    return DraftModelDrafter(draft, max_num_seqs, max_model_len, config.num_draft_branches)
+    return DraftModelDrafter(draft, max_num_seqs, max_model_len, config.num_draft_branches,
+                             config.draft_tree_min_prob)
 
 
 def check_same_vocabulary(target_tokenizer: Tokenizer, draft_tokenizer: Tokenizer, target_vocab: int, draft_vocab: int) -> None:
