@@ -145,22 +145,41 @@ class HFRunner(_PeerRunner):
         assistant = {"assistant_model": self.generate_kwargs["assistant_model"]} if "assistant_model" in self.generate_kwargs else {}
         input_ids = torch.tensor([prompt_token_ids])
         self.forward_calls = 0
+        clock = FirstTokenClock()
         started = time.perf_counter()
         with torch.inference_mode():
             output = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                         generation_config=config, **assistant)
+                                         generation_config=config, streamer=clock, **assistant)
         wall_s = time.perf_counter() - started
         token_ids = output[0, len(prompt_token_ids):].tolist()
-        return self._generation(token_ids, wall_s, max_new_tokens)
+        first_token_s = None if clock.first_token_at is None else clock.first_token_at - started
+        return self._generation(token_ids, wall_s, first_token_s)
 
-    def _generation(self, token_ids: list[int], wall_s: float, max_new_tokens: int) -> Generation:
+    def _generation(self, token_ids: list[int], wall_s: float, first_token_s: float | None) -> Generation:
         finish = "stop" if token_ids and token_ids[-1] in self.eos_token_ids else "length"
         if self.reference is None or self.forward_calls < 2:
-            return Generation(token_ids, wall_s, finish)
+            return Generation(token_ids, wall_s, finish, first_token_s=first_token_s)
         # the first forward is the prefill (1 token); each later one verifies and emits >= 1 token
         verify_steps = self.forward_calls - 1
         accepted = max(len(token_ids) - 1 - verify_steps, 0)
-        return Generation(token_ids, wall_s, finish, verify_steps=verify_steps, accepted_tokens=accepted)
+        return Generation(token_ids, wall_s, finish, first_token_s=first_token_s, verify_steps=verify_steps,
+                          accepted_tokens=accepted)
+
+
+class FirstTokenClock:
+    """A transformers streamer that only notes when the first new token arrives (the first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
 
 
 # ---- llama-cpp-python ---------------------------------------------------------------------------------------
@@ -260,8 +279,11 @@ class LlamaCppRunner(_PeerRunner):
         started = time.perf_counter()
         tokens = self.llama.generate(prompt_token_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
                                      repeat_penalty=1.0, reset=True)
+        first_token_at = None
         try:
             for token in tokens:
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
                 token_ids.append(int(token))
                 if token_ids[-1] in self.eos_token_ids or len(token_ids) >= max_new_tokens:
                     break
@@ -269,10 +291,11 @@ class LlamaCppRunner(_PeerRunner):
             tokens.close()
         wall_s = time.perf_counter() - started
         finish = "stop" if token_ids and token_ids[-1] in self.eos_token_ids else "length"
+        first_token_s = None if first_token_at is None else first_token_at - started
         if self.recorder is None:
-            return Generation(token_ids, wall_s, finish)
+            return Generation(token_ids, wall_s, finish, first_token_s=first_token_s)
         counters = self.recorder.counters([*prompt_token_ids, *token_ids], self.lookup.num_pred_tokens)
-        return Generation(token_ids, wall_s, finish, **counters)
+        return Generation(token_ids, wall_s, finish, first_token_s=first_token_s, **counters)
 
 
 # ---- vLLM ---------------------------------------------------------------------------------------------------
