@@ -131,3 +131,6 @@ def test_transformers_peer_rows_checked_against_their_own_plain(tiny_model_dir, 
     assert summary["hf:plain"]["overall"]["speedup"] == 1.0
     assert summary["hf:assisted"]["overall"]["identical_rate"] == 1.0
     assert summary["hf:assisted"]["overall"]["n_prompts"] == 1
+    for label in ("hf:plain", "hf:prompt_lookup", "hf:assisted"):  # the streamer clock saw the first token
+        stats = summary[label]["overall"]
+        assert 0 < stats["ttft_s"] and stats["decode_tokens_per_s"] > 0, (label, stats)
