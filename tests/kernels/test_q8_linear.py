@@ -63,6 +63,21 @@ def test_thread_count_invariance(k, n):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_parallel_loops_really_use_the_threads():
+    """The thread-invariance tests mean something only if 2 threads do run: the extension's parallel loops are
+    inline templates that run on one thread when it is built without OpenMP (as it once was)."""
+    if not ops.kernels_available():
+        pytest.fail("the compiled kernels did not load")
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert ops.parallel_threads(64) == 1
+        torch.set_num_threads(2)
+        assert ops.parallel_threads(64) == 2
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.skipif(ops.kernel_isa() != "avx512vnni", reason="needs the AVX-512 VNNI path")
 @pytest.mark.parametrize("k,n", [(576, 37), (896, 130), (2048, 64)])
 def test_scalar_path_matches_simd(k, n):

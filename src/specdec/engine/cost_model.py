@@ -313,10 +313,14 @@ class ProfileKey:
     weight_format: str
     threads: int
     machine: str
+    kernels: str = "torch"  # kernels.ops.kernel_build_id(): a rebuilt kernel measures afresh
 
     @classmethod
     def current(cls, model_name_or_path: str, weight_format: str, device: str | torch.device = "cpu") -> ProfileKey:
-        return cls(model_identity(model_name_or_path), weight_format, torch.get_num_threads(), machine_name(device))
+        from specdec.kernels.ops import kernel_build_id
+
+        return cls(model_identity(model_name_or_path), weight_format, torch.get_num_threads(), machine_name(device),
+                   kernel_build_id())
 
     def filename(self) -> str:
         digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]

@@ -45,10 +45,15 @@ __all__ = [
     "kernels_available",
     "build_kernels",
     "kernel_isa",
+    "kernel_build_id",
 ]
 
 _SRC = Path(__file__).with_name("q8_kernels.cpp")
-_CFLAGS = ["-O3", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for is an inline template compiled into this extension; without OpenMP its parallel
+# regions run on one thread. The extension then links libgomp.so.1 by soname, which resolves to the copy torch
+# has already loaded, so both share one thread pool.
+_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 GROUP = 512  # 16 blocks of 32, interleaved (see q8_kernels.cpp)
 CHUNK = 64  # K is padded to a multiple of CHUNK
 BLOCK = 32  # activation quantization block
@@ -62,7 +67,7 @@ def _build_dir() -> tuple[str, str]:
     h = hashlib.sha256()
     h.update(_SRC.read_bytes())
     h.update(torch.__version__.encode())
-    h.update(" ".join(_CFLAGS).encode())
+    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     digest = h.hexdigest()[:16]
     return os.path.join(base, "specdec", "kernels", digest), digest
 
@@ -77,6 +82,7 @@ def _build(verbose: bool = False):
         name=f"specdec_q8_{digest}",
         sources=[str(_SRC)],
         extra_cflags=_CFLAGS,
+        extra_ldflags=_LDFLAGS,
         build_directory=path,
         verbose=verbose,
     )
@@ -108,6 +114,18 @@ def kernel_isa() -> str:
     """'avx512vnni', 'scalar' (compiled portable path) or 'torch' (fallback)."""
     ext = _load()
     return "torch" if ext is None else ext.isa()
+
+
+def kernel_build_id() -> str:
+    """Which kernels run: 'q8-<hash of source, torch version and flags>' when the extension is loaded, else
+    'torch' (fallback). Measured cost profiles are keyed by it, so a changed kernel is profiled again."""
+    return f"q8-{_build_dir()[1]}" if _load() is not None else "torch"
+
+
+def parallel_threads(n: int) -> int:
+    """Testing hook: how many distinct threads the extension's parallel loops use for n items (0: no extension)."""
+    ext = _load()
+    return 0 if ext is None else int(ext.parallel_threads(int(n)))
 
 
 def _set_force_scalar(flag: bool) -> None:

@@ -40,6 +40,8 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <set>
 #include <vector>
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -1115,6 +1117,18 @@ torch::Tensor gated_activation(const torch::Tensor& gate_up_in, const std::strin
 }
 
 void set_force_scalar(bool v) { g_force_scalar = v; }
+
+// how many distinct threads at::parallel_for hands n single-item chunks to (a build without OpenMP: 1)
+int64_t parallel_threads(int64_t n) {
+  std::mutex mutex;
+  std::set<int> seen;
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int tid = at::get_thread_num();
+    std::lock_guard<std::mutex> lock(mutex);
+    seen.insert(tid);
+  });
+  return static_cast<int64_t>(seen.size());
+}
 std::string isa() { return use_avx() ? "avx512vnni" : "scalar"; }
 
 }  // namespace
@@ -1128,6 +1142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qk_norm_rope", &qk_norm_rope, "split q/k from fused qkv, optional QK-norm, rotate-half RoPE");
   m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate_up projection (elementwise)");
   m.def("set_force_scalar", &set_force_scalar);
+  m.def("parallel_threads", &parallel_threads, "distinct threads at::parallel_for uses for n items");
   m.def("isa", &isa);
   m.def("cpu_has_avx512vnni", &cpu_has_avx512vnni);
 }
