@@ -12,7 +12,7 @@ Glossary (see docs/draft-length.md for the derivations):
             T(B + sum_b k_b) + draft_cost(k_1..k_B) seconds.
 
 Profiles are cached as JSON under ``$XDG_CACHE_HOME/specdec/costs/`` (``~/.cache/specdec/costs``), one file per
-(model identity, weight format, thread count, machine) — see `ProfileKey`.
+(model identity, weight format, thread count, machine, kernel build) — see `ProfileKey`.
 """
 from __future__ import annotations
 
