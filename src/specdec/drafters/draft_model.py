@@ -26,7 +26,6 @@ import torch
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
-from specdec.drafters.tree import DraftTree
 from specdec.engine.batch import ForwardBatch
 from specdec.models.transformer import Transformer
 from specdec.verify.sampling import logits_to_probs, sample
@@ -144,8 +143,7 @@ class DraftModelDrafter(Drafter):
     def _draft(branches: list[_Branch], draft_probs: list[torch.Tensor]) -> Draft:
         if len(branches) == 1:
             return Draft(tuple(branches[0].token_ids), torch.cat(draft_probs) if draft_probs else None)
-        tree = DraftTree.from_branches([branch.token_ids for branch in branches])
-        return Draft(tree.first_branch(), None, tree)
+        return Draft.from_branches([branch.token_ids for branch in branches])
 
     def _forward_branches(self, states: list[_DraftState], branches: list[list[_Branch]],
                           max_tokens: list[int]) -> list[torch.Tensor]:
