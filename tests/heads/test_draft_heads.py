@@ -93,6 +93,35 @@ def test_training_resumes_from_its_checkpoint(make_tiny_model, tiny_tokenizer, t
     assert [r.loss for r in resumed.state.history] == pytest.approx([r.loss for r in straight.state.history], rel=1e-4)
 
 
+@torch.no_grad()
+def test_unrolled_training_steps_see_what_a_chain_draft_sees(make_tiny_model):
+    """Training-time test: step s of forward_unrolled at position t must equal the head's state when drafting
+    depth s through its KV cache (real pairs up to t - s + 1, then its own drafted positions)."""
+    from specdec.heads.modules import EagleHead
+
+    torch.manual_seed(0)
+    config = head_config(make_tiny_model("qwen2"), "eagle")
+    head = EagleHead(config).eval()
+    length = 12
+    embeds, hidden = torch.randn(2, length, config.hidden_size), torch.randn(2, length, config.hidden_size)
+    unrolled = head.forward_unrolled(embeds, hidden, steps=3)  # each [2, T, hidden]
+    assert torch.equal(unrolled[0], head(embeds, hidden))  # step 1 is the teacher-forced forward
+    for row in range(2):
+        for start in (2, 5, 9):  # real pairs at 0 .. start - 1, then two drafted positions
+            cache = KVCache(head.cache_config(), 1, 64)
+            positions = torch.arange(start)
+            step_one = head.forward_cached(embeds[row, :start], hidden[row, :start], positions, torch.zeros(start, dtype=torch.int64), cache)
+            assert torch.allclose(step_one, unrolled[0][row, :start], atol=1e-5)
+            predicted = step_one[-1:]
+            for depth in (2, 3):
+                position = start + depth - 2
+                predicted = head.forward_cached(embeds[row, position : position + 1], predicted, torch.tensor([position]),
+                                                torch.zeros(1, dtype=torch.int64), cache)
+                assert torch.allclose(predicted[0], unrolled[depth - 1][row, position], atol=1e-5), (row, start, depth)
+    other = head.forward_unrolled(embeds, hidden.roll(1, dims=1), steps=2)[1]  # the check above can fail
+    assert not torch.allclose(other, unrolled[1], atol=1e-3)
+
+
 def test_draft_vocabulary_takes_the_most_frequent_tokens():
     sequences = [TrainingSequence(torch.tensor([5, 5, 5, 9, 9, 2, 7]), torch.zeros(7, 4))]
     assert draft_vocabulary(sequences, vocab_size=10, size=3).tolist() == [2, 5, 9]  # 2 beats 7 on the lower id

@@ -99,20 +99,46 @@ class EagleHead(nn.Module):
         return self.down_proj(gated_activation(gate_up, "silu"))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Training: whole sequences from position 0. embeds [B, T, hidden] (token t + 1), hidden [B, T, hidden]
-        (target state at t) -> predicted target state at t + 1 [B, T, hidden]. Causal; padding goes at the end."""
+        """Training, teacher-forced: whole sequences from position 0. embeds [B, T, hidden] (token t + 1), hidden
+        [B, T, hidden] (target state at t) -> predicted target state at t + 1 [B, T, hidden]. Causal; padding at the end."""
+        return self.forward_unrolled(embeds, hidden, steps=1)[0]
+
+    def forward_unrolled(self, embeds: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training with EAGLE-3's training-time test: the head also learns from its own predicted states, seen
+        exactly as drafting sees them. Shapes as `forward`; returns one [B, T, hidden] prediction per step.
+
+        Step 1 is teacher-forced: the pair (h(t), embed(t + 1)) at position t predicts h(t + 1). Step s > 1 feeds,
+        at position t, step s-1's prediction made at t - 1 (its estimate of h(t)) with embed(t + 1), and attends
+        to step-1 keys at positions <= t - (s - 1) and to step-j keys at position t - (s - j) for j = 2 .. s: the
+        cache a chain draft of depth s reads (real pairs, then its own earlier drafted positions). Outputs of step
+        s at positions t < s - 1 have no such history and must be masked by the caller.
+        """
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
         c = self.config
         batch, length, _ = hidden.shape
-        x = self._input(embeds, hidden).reshape(batch * length, -1)  # [B*T, hidden]
-        positions = torch.arange(length, device=x.device).repeat(batch)
-        query, key, value = self._qkv(x, positions)
+        positions = torch.arange(length, device=hidden.device).repeat(batch)
         group = c.num_heads // c.num_kv_heads
         as_heads = lambda t: t.reshape(batch, length, -1, c.head_dim).transpose(1, 2)  # noqa: E731  [B, heads, T, D]
-        key, value = (as_heads(t).repeat_interleave(group, dim=1) for t in (key, value))
-        context = F.scaled_dot_product_attention(as_heads(query), key, value, is_causal=True)  # [B, H, T, D]
-        x = x + self.o_proj(context.transpose(1, 2).reshape(batch * length, self.q_size))
-        x = x + self._mlp(x)
-        return x.reshape(batch, length, -1)
+        step_keys: list[torch.Tensor] = []  # per step [B, H, T, D]
+        step_values: list[torch.Tensor] = []
+        predictions: list[torch.Tensor] = []
+        step_hidden = hidden
+        for step in range(1, steps + 1):
+            if step > 1:  # position t reads the previous step's prediction made at t - 1
+                step_hidden = torch.cat([torch.zeros_like(hidden[:, :1]), predictions[-1][:, :-1]], dim=1)
+            x = self._input(embeds, step_hidden).reshape(batch * length, -1)  # [B*T, hidden]
+            query, key, value = self._qkv(x, positions)
+            step_keys.append(as_heads(key).repeat_interleave(group, dim=1))
+            step_values.append(as_heads(value).repeat_interleave(group, dim=1))
+            if step == 1:
+                context = F.scaled_dot_product_attention(as_heads(query), step_keys[0], step_values[0], is_causal=True)
+            else:
+                context = _draft_depth_attention(as_heads(query), step_keys, step_values, c.head_dim**-0.5)
+            x = x + self.o_proj(context.transpose(1, 2).reshape(batch * length, self.q_size))
+            x = x + self._mlp(x)
+            predictions.append(x.reshape(batch, length, -1))
+        return predictions
 
     @torch.inference_mode()
     def forward_cached(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -127,6 +153,29 @@ class EagleHead(nn.Module):
                             torch.zeros_like(key_end), key_end, self.config.head_dim**-0.5)
         x = x + self.o_proj(context.reshape(-1, self.q_size))
         return x + self._mlp(x)
+
+
+def _draft_depth_attention(query: torch.Tensor, step_keys: list[torch.Tensor], step_values: list[torch.Tensor],
+                            scale: float) -> torch.Tensor:
+    """Attention of draft step s = len(step_keys) (see EagleHead.forward_unrolled). query and each key/value
+    [B, H, T, D] -> context [B, H, T, D]: position t attends step-1 keys at positions <= t - (s - 1) and the
+    step-j key at t - (s - j) for j = 2 .. s (its own key when j = s)."""
+    depth, length = len(step_keys), query.shape[2]
+    index = torch.arange(length, device=query.device)
+    real_allowed = index[None, :] <= index[:, None] - (depth - 1)  # [T (query), T (key)]
+    scores = [(query @ step_keys[0].transpose(-1, -2) * scale).masked_fill(~real_allowed, float("-inf"))]
+    shifted_values = []
+    for j in range(2, depth + 1):
+        shift = depth - j
+        key = F.pad(step_keys[j - 1], (0, 0, shift, 0))[:, :, :length]  # key[t] = step j's key at t - shift
+        shifted_values.append(F.pad(step_values[j - 1], (0, 0, shift, 0))[:, :, :length])
+        diagonal = (query * key).sum(-1, keepdim=True) * scale  # [B, H, T, 1]
+        scores.append(diagonal.masked_fill((index < shift)[:, None], float("-inf")))
+    probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)  # [B, H, T, T + depth - 1]
+    context = probs[..., :length] @ step_values[0]
+    for offset, value in enumerate(shifted_values):
+        context = context + probs[..., length + offset : length + offset + 1] * value
+    return context
 
 
 class MedusaHeads(nn.Module):

@@ -24,6 +24,9 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192, help="lm_head rows the head drafts over (most frequent tokens)")
     parser.add_argument("--intermediate-size", type=int, default=None, help="EAGLE layer MLP width (default min(2 x hidden, target's))")
     parser.add_argument("--medusa-heads", type=int, default=4)
+    parser.add_argument("--unroll-steps", type=int, default=3,
+                        help="EAGLE: draft steps trained per position on the head's own predictions (training-time "
+                        "test); 1 = teacher-forced only")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="greedy continuation length per prompt")
     parser.add_argument("--max-len", type=int, default=1024, help="longest training sequence (prompt + continuation)")
     parser.add_argument("--max-prompts", type=int, default=None, help="use N prompts, evenly spaced over the files")
@@ -64,7 +67,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     training = {"prompt_files": list(prompt_files), "sequences": len(sequences), "tokens": num_tokens,
                 "steps": trainer.state.step, "train_seconds": round(trainer.state.train_seconds, 1),
                 "batch_tokens": args.batch_tokens, "lr": args.lr, "holdout_every": args.holdout_every,
-                "max_new_tokens": args.max_new_tokens, "device": str(target.device),
+                "max_new_tokens": args.max_new_tokens, "unroll_steps": args.unroll_steps, "device": str(target.device),
                 "final_loss": sum(r.loss for r in tail) / len(tail), "final_accuracy": sum(r.accuracy for r in tail) / len(tail),
                 "first_loss": history[0].loss}
     save_head(out, trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, training)
@@ -84,7 +87,8 @@ def _train(args, target, sequences, out: Path):
     config = head_config(args, target)
     parts = TargetParts.from_target(target, draft_vocabulary(sequences, target.config.vocab_size, config.draft_vocab_size))
     settings = TrainSettings(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
-                             time_limit_s=args.time_limit_min * 60 if args.time_limit_min else None)
+                             time_limit_s=args.time_limit_min * 60 if args.time_limit_min else None,
+                             unroll_steps=args.unroll_steps)
     trainer = Trainer(config, parts, sequences, settings, checkpoint=out.with_suffix(".ckpt"))
     with tqdm(total=args.steps, initial=trainer.state.step, desc=f"training {args.method}", unit="step") as bar:
         def on_step(record) -> None:

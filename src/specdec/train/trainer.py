@@ -2,7 +2,9 @@
 
 Losses (per position, averaged over real positions of the batch):
   EAGLE   smooth-L1(predicted h(t+1), h(t+1)) + 0.1 * KL(target distribution of token t+2 over the draft
-          vocabulary, head distribution from the predicted state) -- EAGLE-1's weighting.
+          vocabulary, head distribution from the predicted state) -- EAGLE-1's weighting; with
+          unroll_steps > 1 the same loss for each training-time-test step s (the head fed its own predictions),
+          weighted 0.8^(s-1).
   Medusa  sum_i 0.8^(i-1) * KL(target distribution of token t+1+i, head i's distribution from h(t)).
 The target distributions are softmax(draft lm_head rows . h): the head learns the target's own predictions
 (the data are its greedy continuations), restricted to the draft vocabulary.
@@ -23,6 +25,7 @@ from specdec.heads.modules import EagleHead, MedusaHeads, TargetParts, build_hea
 from specdec.train.data import TrainingSequence
 
 EAGLE_CE_WEIGHT = 0.1
+EAGLE_STEP_DECAY = 0.8  # weight of training-time-test step s: 0.8^(s-1)
 MEDUSA_DECAY = 0.8
 
 
@@ -37,6 +40,7 @@ class TrainSettings:
     seed: int = 0
     save_every: int = 25
     time_limit_s: float | None = None  # stop (and save) after this much training time in this run
+    unroll_steps: int = 1  # EAGLE: draft steps trained per position (training-time test); 1 = teacher-forced only
 
 
 @dataclass(frozen=True)
@@ -97,20 +101,28 @@ def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> tor
     return (target_log_probs.exp() * (target_log_probs - torch.log_softmax(logits, -1))).sum(-1)
 
 
-def eagle_loss(head: EagleHead, parts: TargetParts, embeds, hidden, mask) -> tuple[torch.Tensor, float]:
-    """Pairs (h(t), embed(t+1)) predict h(t+1); shapes as pad_batch. -> (loss, top-1 accuracy)."""
-    predicted = head(embeds[:, 1:], hidden[:, :-1])  # [B, T-1, hidden]: predictions of h(1..T-1)
+def eagle_loss(head: EagleHead, parts: TargetParts, embeds, hidden, mask, unroll_steps: int = 1) -> tuple[torch.Tensor, float]:
+    """Pairs (h(t), embed(t+1)) predict h(t+1); shapes as pad_batch. -> (loss, top-1 accuracy of the first draft).
+
+    unroll_steps > 1 adds the training-time test (EagleHead.forward_unrolled): step s, fed the head's own
+    predictions as drafting feeds them, is scored against the same targets with weight EAGLE_STEP_DECAY^(s-1).
+    """
+    predictions = head.forward_unrolled(embeds[:, 1:], hidden[:, :-1], unroll_steps)  # each [B, T-1, hidden]
     target = hidden[:, 1:]
-    valid = mask[:, 1:]  # [B, T-1]
-    regression = F.smooth_l1_loss(predicted, target, reduction="none").mean(-1)  # [B, T-1]
     with torch.no_grad():
         target_logits = parts.draft_logits(target)  # [B, T-1, draft vocab]
-    logits = parts.draft_logits(predicted)
-    ce = soft_cross_entropy(logits, target_logits)
-    count = valid.sum().clamp(min=1)
-    loss = ((regression + EAGLE_CE_WEIGHT * ce) * valid).sum() / count
-    accuracy = ((logits.argmax(-1) == target_logits.argmax(-1)) & valid).sum() / count
-    return loss, float(accuracy)
+    total, accuracy = hidden.new_zeros(()), 0.0
+    for step, predicted in enumerate(predictions, start=1):
+        valid = mask[:, 1:].clone()  # [B, T-1]
+        valid[:, : step - 1] = False  # step s has no draft history before position s - 1
+        regression = F.smooth_l1_loss(predicted, target, reduction="none").mean(-1)  # [B, T-1]
+        logits = parts.draft_logits(predicted)
+        ce = soft_cross_entropy(logits, target_logits)
+        count = valid.sum().clamp(min=1)
+        total = total + EAGLE_STEP_DECAY ** (step - 1) * ((regression + EAGLE_CE_WEIGHT * ce) * valid).sum() / count
+        if step == 1:
+            accuracy = float(((logits.argmax(-1) == target_logits.argmax(-1)) & valid).sum() / count)
+    return total, accuracy
 
 
 def medusa_loss(heads: MedusaHeads, parts: TargetParts, embeds, hidden, mask) -> tuple[torch.Tensor, float]:
@@ -179,9 +191,11 @@ class Trainer:
         generator = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + step)  # resumable sampling
         batch = sample_batch(self.sequences, self.settings.batch_tokens, generator)
         embeds, hidden, mask = pad_batch(batch, self.parts, self.device)
-        loss_fn = eagle_loss if self.config.method == "eagle" else medusa_loss
         self.head.train()
-        loss, accuracy = loss_fn(self.head, self.parts, embeds, hidden, mask)
+        if self.config.method == "eagle":
+            loss, accuracy = eagle_loss(self.head, self.parts, embeds, hidden, mask, self.settings.unroll_steps)
+        else:
+            loss, accuracy = medusa_loss(self.head, self.parts, embeds, hidden, mask)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.settings, step)
         self.optimizer.zero_grad(set_to_none=True)
