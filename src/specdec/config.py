@@ -114,6 +114,9 @@ class SpeculativeConfig:
       draft_tree_min_prob: draft_model trees only: a runner-up token becomes a new branch only when the
           draft probability of its path (the tokens before it times its own) is at least this, in [0, 1]
           (default 0.05).
+      draft_prefix_cache_tokens: draft_model only: how many tokens of earlier requests' prompts the draft
+          model's prefix store keeps (>= 0, default 16384; 0 disables it). A new request copies the draft
+          cache entries of the longest shared prefix (at least 16 tokens) instead of prefilling them.
 
     Our keys (suffix drafter only):
       suffix_max_depth: depth limit of the suffix trie = longest context + draft it can match (>= 1).
@@ -133,6 +136,7 @@ class SpeculativeConfig:
     suffix_cache_requests: int = 64
     num_draft_branches: int = 1
     draft_tree_min_prob: float = 0.05
+    draft_prefix_cache_tokens: int = 16384
 
     def __post_init__(self) -> None:
         self._validate_method_and_model()
@@ -161,6 +165,7 @@ class SpeculativeConfig:
         _require_number(owner, "draft_tree_min_prob", self.draft_tree_min_prob)
         if not 0 <= self.draft_tree_min_prob <= 1:
             raise ValueError(f"{owner}.draft_tree_min_prob must be in [0, 1], got {self.draft_tree_min_prob}")
+        _require_at_least(owner, "draft_prefix_cache_tokens", self.draft_prefix_cache_tokens, 0)
 
     def _validate_method_and_model(self) -> None:
         if not isinstance(self.method, str):

@@ -75,3 +75,35 @@ def test_sampled_requests_draft_chains(make_tiny_model):
     drafter.add_request("r", PROMPT, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
     (draft,) = drafter.propose(["r"], [4])
     assert draft.tree is None and len(draft.token_ids) == 4 and draft.draft_probs.shape[0] == 4
+
+
+SHARED = [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # 20 tokens, e.g. a system turn
+
+
+@pytest.mark.parametrize("architecture,overrides", [("qwen2", {}), ("gemma3", {"sliding_window": 3})])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prefix_store_skips_the_shared_prefill_and_drafts_do_not_change(make_tiny_model, architecture, overrides,
+                                                                         temperature):
+    model = make_tiny_model(architecture, **overrides)
+    prompts = [SHARED + [40, 41, 42], SHARED + [50, 51], SHARED + [40, 41, 42], [60, 61, 62]]
+    params = SamplingParams(temperature=temperature)
+
+    def drafts(prefix_cache_tokens):
+        drafter = DraftModelDrafter(model, max_num_seqs=2, max_model_len=64, prefix_cache_tokens=prefix_cache_tokens)
+        out, reused = [], []
+        for i, prompt in enumerate(prompts):  # one after another, each freeing its slot, as a server would
+            generator = None if params.greedy else torch.Generator().manual_seed(i)
+            drafter.add_request(str(i), prompt, params, generator)
+            before = drafter.reused_prefix_tokens
+            out.append(drafter.propose([str(i)], [4])[0])
+            reused.append(drafter.reused_prefix_tokens - before)
+            drafter.remove_request(str(i))
+        return out, reused
+
+    stored, reused = drafts(16384)
+    fresh, none_reused = drafts(0)
+    assert reused == [0, len(SHARED), len(prompts[2]) - 1, 0]  # the repeat reuses all but its last token
+    assert none_reused == [0, 0, 0, 0]
+    assert [d.token_ids for d in stored] == [d.token_ids for d in fresh]
+    if temperature:
+        assert all(torch.equal(a.draft_probs, b.draft_probs) for a, b in zip(stored, fresh))

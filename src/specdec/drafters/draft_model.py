@@ -15,6 +15,11 @@ place in the draft cache; branch j > 0 writes its nodes at scratch positions bas
 the committed prefix, the in-place nodes of branch 0 it shares, the scratch nodes it shares with the branch it
 forked from, and its own, so its tokens are those of the same path decoded alone. Sampled requests draft
 chains.
+
+A request's first draft prefills its prompt in the draft model. With `prefix_cache_tokens` > 0 the draft
+cache entries of earlier requests' prompts are kept (`PrefixStore`), and a new request copies the longest
+shared prefix (a chat template's system turn, a repeated document) instead of recomputing it; the copied
+entries are bitwise those a prefill would write, so drafts do not change.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Sequence
 import torch
 
 from specdec.cache.kv_cache import KVCache
+from specdec.cache.prefix_store import PrefixStore
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
 from specdec.engine.batch import ForwardBatch
@@ -38,6 +44,7 @@ class _DraftState:
     generator: torch.Generator | None
     token_ids: list[int]  # committed sequence (prompt + output)
     cached_token_ids: list[int] = field(default_factory=list)  # tokens with valid draft-cache entries, by position
+    prefix_saved: bool = False  # its prompt's draft-cache entries went to the prefix store
 
 
 @dataclass
@@ -52,7 +59,7 @@ class _Branch:
 
 class DraftModelDrafter(Drafter):
     def __init__(self, model: Transformer, max_num_seqs: int, max_model_len: int, num_branches: int = 1,
-                 min_branch_prob: float = 0.05) -> None:
+                 min_branch_prob: float = 0.05, prefix_cache_tokens: int = 16384) -> None:
         if num_branches < 1:
             raise ValueError(f"num_branches must be >= 1, got {num_branches}")
         if not 0.0 <= min_branch_prob <= 1.0:
@@ -61,6 +68,8 @@ class DraftModelDrafter(Drafter):
         self.num_branches = num_branches
         self.min_branch_prob = min_branch_prob
         self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device)
+        self.prefixes = PrefixStore(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.reused_prefix_tokens = 0  # draft-cache positions copied from the prefix store instead of computed
         self.states: dict[str, _DraftState] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -88,8 +97,12 @@ class DraftModelDrafter(Drafter):
         # Step 0 feeds every token the draft cache lacks; later steps feed each branch's last token.
         active = [i for i, budget in enumerate(max_draft_tokens) if budget > 0]
         if active:
+            for i in active:
+                self._reuse_prefix(states[i])
             pending = [states[i].token_ids[len(states[i].cached_token_ids):] for i in active]
             logits = self._forward([states[i] for i in active], pending)  # [active, vocab]
+            for i in active:
+                self._save_prefix(states[i])
             for row, i in enumerate(active):
                 self._next_tokens(states[i], branches[i], logits[row : row + 1], max_draft_tokens[i], draft_probs[i])
             active = [i for i in active if len(branches[i][0].token_ids) < max_draft_tokens[i]]
@@ -100,6 +113,23 @@ class DraftModelDrafter(Drafter):
                 self._next_tokens(states[i], branches[i], logits, max_draft_tokens[i], draft_probs[i])
             active = [i for i in active if len(branches[i][0].token_ids) < max_draft_tokens[i]]
         return [self._draft(request_branches, probs) for request_branches, probs in zip(branches, draft_probs)]
+
+    def _reuse_prefix(self, state: _DraftState) -> None:
+        """Before a request's first draft forward: copy the longest stored prefix of its committed tokens (all but
+        the last, whose logits the draft needs) into its slot."""
+        if self.prefixes is None or state.cached_token_ids:
+            return
+        entry, length = self.prefixes.longest_match(state.token_ids[:-1])
+        if entry is not None:
+            self.prefixes.load(self.cache, state.slot, entry, length)
+            state.cached_token_ids = list(state.token_ids[:length])
+            self.reused_prefix_tokens += length
+
+    def _save_prefix(self, state: _DraftState) -> None:
+        """After a request's first draft forward its slot holds every committed token: keep them for later requests."""
+        if self.prefixes is not None and not state.prefix_saved:
+            self.prefixes.save(self.cache, state.slot, state.cached_token_ids)
+            state.prefix_saved = True
 
     def _num_branches(self, state: _DraftState, max_tokens: int) -> int:
         """Branches of a greedy request's tree, as many as fit in the draft cache's scratch positions."""

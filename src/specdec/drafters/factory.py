@@ -41,7 +41,7 @@ def _build_draft_model(config, target: Transformer, tokenizer: Tokenizer, weight
             stacklevel=2,
         )
     return DraftModelDrafter(draft, max_num_seqs, max_model_len, config.num_draft_branches,
-                             config.draft_tree_min_prob)
+                             config.draft_tree_min_prob, config.draft_prefix_cache_tokens)
 
 
 def check_same_vocabulary(target_tokenizer: Tokenizer, draft_tokenizer: Tokenizer, target_vocab: int, draft_vocab: int) -> None:

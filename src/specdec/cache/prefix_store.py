@@ -1,0 +1,96 @@
+"""Reusable prompt prefixes: copies of KV-cache entries of earlier requests, keyed by their tokens.
+
+Requests to one server usually share a prefix (the chat template's system turn, a few-shot preamble, a
+document asked about twice). A model whose KV at positions 0 .. L-1 depends only on tokens 0 .. L-1 (every
+causal transformer here; row invariance makes the values bitwise those of a fresh prefill) can copy them
+from an earlier request instead of recomputing them. The draft model uses this for its own cache: its
+prompt prefill is paid at a request's first draft, and on short answers that prefill is most of what
+speculation costs.
+
+Entries are the committed tokens of a request at the time they were saved and, per layer, the keys and
+values of those positions ([kv_heads, length, head_dim] each). The store holds at most `max_tokens` tokens in
+all; the least recently used entries are dropped first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specdec.cache.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class PrefixEntry:
+    token_ids: tuple[int, ...]
+    keys: list[torch.Tensor]  # per layer [kv_heads, len(token_ids), head_dim]
+    values: list[torch.Tensor]
+
+
+class PrefixStore:
+    def __init__(self, max_tokens: int, min_match: int = 16) -> None:
+        if max_tokens < 0 or min_match < 1:
+            raise ValueError(f"PrefixStore needs max_tokens >= 0 and min_match >= 1, got {max_tokens}, {min_match}")
+        self.max_tokens = max_tokens
+        self.min_match = min_match
+        self._entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()  # least recently used first
+        self._num_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def longest_match(self, token_ids: Sequence[int]) -> tuple[PrefixEntry | None, int]:
+        """The entry sharing the longest prefix with token_ids and that length (None, 0 below min_match)."""
+        best, best_length = None, 0
+        for entry in self._entries.values():
+            length = _common_prefix(entry.token_ids, token_ids)
+            if length > best_length:
+                best, best_length = entry, length
+        if best is None or best_length < self.min_match:
+            return None, 0
+        self._entries.move_to_end(best.token_ids)
+        return best, best_length
+
+    def load(self, cache: KVCache, slot: int, entry: PrefixEntry, length: int) -> None:
+        """Writes the entry's first `length` positions into positions 0 .. length-1 of `slot`."""
+        for layer, (keys, values) in enumerate(zip(entry.keys, entry.values)):
+            cache.keys[layer][slot, :, :length] = keys[:, :length]
+            cache.values[layer][slot, :, :length] = values[:, :length]
+
+    def save(self, cache: KVCache, slot: int, token_ids: Sequence[int]) -> None:
+        """Keeps positions 0 .. len(token_ids)-1 of `slot` (which hold token_ids), replacing entries it extends."""
+        key = tuple(token_ids)
+        if len(key) < self.min_match or len(key) > self.max_tokens:
+            return
+        for other in self._entries:
+            if len(other) >= len(key) and other[: len(key)] == key:  # already covered by a longer entry
+                self._entries.move_to_end(other)
+                return
+        for other in [k for k in self._entries if len(k) <= len(key) and key[: len(k)] == k]:
+            self._drop(other)  # a prefix of this one (or the same): the new entry covers it
+        length = len(key)
+        entry = PrefixEntry(key, [k[slot, :, :length].clone() for k in cache.keys],
+                            [v[slot, :, :length].clone() for v in cache.values])
+        self._entries[key] = entry
+        self._num_tokens += length
+        while self._num_tokens > self.max_tokens:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        del self._entries[key]
+        self._num_tokens -= len(key)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length
