@@ -53,6 +53,9 @@ def test_load_questions_formats_categories_and_limit(tmp_path):
         ("rag", "0"), ("qa", "1"), ("rag", "2"), ("qa", "3"), (HUMANEVAL_CATEGORY, "HumanEval/7")]
     assert "def f():" in questions[-1].turns[0] and "Complete the following Python function" in questions[-1].turns[0]
     assert [q.question_id for q in load_questions(path, categories=["qa"])] == ["1", "3", "5"]
+    # the questions `train-draft --holdout-every 3` leaves out: file indices 2, 5 (the HumanEval row is index 6)
+    assert [q.question_id for q in load_questions(path, held_out_of=3)] == ["2", "5"]
+    assert [q.question_id for q in load_questions(path, categories=["qa"], held_out_of=3)] == ["5"]
     path.write_text('{"id": 1}\n')
     with pytest.raises(ValueError, match="neither a Spec-Bench row"):
         load_questions(path)

@@ -38,12 +38,19 @@ class Question:
             raise ValueError(f"question {self.question_id!r} of {self.dataset}: turns must be non-empty strings")
 
 
+def is_held_out(index: int, holdout_every: int) -> bool:
+    """Whether the question at 0-based file index `index` is one that `specdec train-draft --holdout-every n`
+    leaves out of its training data (every n-th question of each file)."""
+    return holdout_every > 0 and index % holdout_every == holdout_every - 1
+
+
 def load_questions(path: str | os.PathLike[str], categories: Iterable[str] | None = None,
-                   limit: int | None = None) -> list[Question]:
+                   limit: int | None = None, held_out_of: int = 0) -> list[Question]:
     """Questions of a Spec-Bench or HumanEval JSONL file, in file order.
 
     categories: keep only these categories (None = all). limit: keep the first ``limit`` questions of each
-    category (so every category stays represented in a short run).
+    category (so every category stays represented in a short run). held_out_of: n > 0 keeps only the
+    questions a draft head trained with ``--holdout-every n`` never saw (`is_held_out`), before the other filters.
     """
     path = Path(path)
     if not path.is_file():
@@ -51,10 +58,14 @@ def load_questions(path: str | os.PathLike[str], categories: Iterable[str] | Non
     wanted = set(categories) if categories is not None else None
     questions: list[Question] = []
     per_category: Counter[str] = Counter()
+    index = -1  # of the question in the file
     for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         question = parse_row(_json_row(line, path, line_number), path, line_number)
+        index += 1
+        if held_out_of and not is_held_out(index, held_out_of):
+            continue
         if wanted is not None and question.category not in wanted:
             continue
         if limit is not None and per_category[question.category] >= limit:

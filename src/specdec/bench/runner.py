@@ -42,6 +42,7 @@ class BenchOptions:
     datasets: list[str]
     out: Path = Path("bench_results")
     limit: int | None = None
+    held_out_of: int = 0  # > 0: only the questions `train-draft --holdout-every N` leaves out
     max_new_tokens: int = 128
     repeats: int = 1
     peers: list[str] = field(default_factory=list)
@@ -61,6 +62,8 @@ class BenchOptions:
             raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
+        if self.held_out_of < 0:
+            raise ValueError(f"--held-out-of must be >= 0, got {self.held_out_of}")
         if not self.datasets:
             raise ValueError("give at least one --dataset")
 
@@ -76,6 +79,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Spec-Bench or HumanEval JSONL file (repeatable)")
     parser.add_argument("--limit", type=int, default=None, help="first N questions of each category")
     parser.add_argument("--categories", default=None, help="comma-separated categories to keep")
+    parser.add_argument("--held-out-of", type=int, default=0, metavar="N",
+                        help="keep only the questions `specdec train-draft --holdout-every N` leaves out of training")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="rounds over all prompts; wall time = median")
     parser.add_argument("--out", default="bench_results", help="output directory")
@@ -94,7 +99,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(
         model=args.model, methods=args.methods or ["none,ngram,suffix"], datasets=list(args.dataset),
-        out=Path(args.out), limit=args.limit, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+        out=Path(args.out), limit=args.limit, held_out_of=args.held_out_of, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
         peers=list(args.peer), categories=args.categories.split(",") if args.categories else None,
         threads=args.threads, weight_format=args.weight_format, draft_policy=args.draft_policy,
         max_model_len=args.max_model_len, device=args.device, plots=not args.no_plots, progress=not args.no_progress,
@@ -126,7 +131,8 @@ def run_bench(options: BenchOptions, argv: list[str] | None = None) -> int:
 
 
 def _load_all_questions(options: BenchOptions) -> list[Question]:
-    questions = [q for path in options.datasets for q in load_questions(path, options.categories, options.limit)]
+    questions = [q for path in options.datasets
+                 for q in load_questions(path, options.categories, options.limit, options.held_out_of)]
     if not questions:
         raise ValueError(f"no questions selected from {', '.join(options.datasets)}"
                          + (f" for categories {', '.join(options.categories)}" if options.categories else ""))

@@ -48,13 +48,13 @@ def load_prompts(tokenizer, paths: Sequence[str], holdout_every: int = 0, limit:
     holdout_every: leave out every n-th question of each file (index % n == n - 1) for held-out evaluation.
     limit: keep this many prompts, evenly spaced over the list (so every file and category stays represented).
     """
-    from specdec.bench.datasets import load_questions
+    from specdec.bench.datasets import is_held_out, load_questions
     from specdec.bench.runner import encode_chat
 
     prompts = []
     for path in paths:
         for index, question in enumerate(load_questions(path)):
-            if holdout_every and index % holdout_every == holdout_every - 1:
+            if is_held_out(index, holdout_every):
                 continue
             prompts.append(encode_chat(tokenizer, [{"role": "user", "content": question.turns[0]}]))
     if limit is None or limit >= len(prompts):
