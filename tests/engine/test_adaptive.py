@@ -30,11 +30,12 @@ def step(policy, seqs, accepted, batch_size=None):
 def test_estimate_updates_conditional_acceptance_per_position():
     estimate = AcceptanceEstimate(prior=0.7, weight=0.5)
     metrics = SpecDecodeMetrics()
+    assert estimate.table(2) == pytest.approx([0.7, 0.7])  # nothing drafted yet: the prior
     metrics.record_step(4, 2)  # positions 0, 1 accepted; 2 rejected; 3 not reached
     estimate.update(metrics)
-    assert estimate.table(4) == pytest.approx([0.85, 0.85, 0.35, 0.7])
+    assert estimate.table(5) == pytest.approx([0.85, 0.85, 0.35, 0.35, 0.35])  # 3, 4 never reached: as 2
     estimate.update(metrics)  # nothing new: unchanged
-    assert estimate.table(4) == pytest.approx([0.85, 0.85, 0.35, 0.7])
+    assert estimate.table(4) == pytest.approx([0.85, 0.85, 0.35, 0.35])
     metrics.record_step(1, 0)
     estimate.update(metrics)
     assert estimate.alpha(0) == pytest.approx(0.425)
@@ -209,3 +210,14 @@ def test_first_drafts_and_reprobes_do_not_count_as_drafter_cost(tiny_tokenizer):
     k = step(policy, [seq], [4])[0]
     policy.observe_step(StepCost(1 + k, (k,), draft_s=0.004 * k, target_s=0.010))  # steady
     assert policy.calibration.draft_per_token_s == pytest.approx(0.8 * 0.002 + 0.2 * 0.004)
+
+
+def test_costly_drafter_that_always_hits_climbs_to_the_longest_k(tiny_tokenizer):
+    """A draft model costing ~0.4 T(1) per token whose drafts all hit: deeper positions, never drafted yet, must
+    not stay at the prior (which would make each extra position look barely worth its cost) but take the
+    acceptance measured at the deepest drafted one."""
+    cost_model = CostModel(ForwardCosts.linear(0.010, 0.015), DrafterCost(per_token_s=0.004, batched=True))
+    policy = AdaptiveDraftPolicy(4, cost_model, reprobe_interval=1000)
+    seq = make_seq(tiny_tokenizer)
+    lengths = [step(policy, [seq], [4])[0] for _ in range(12)]
+    assert lengths[-1] == 4, lengths

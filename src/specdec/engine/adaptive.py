@@ -2,11 +2,12 @@
 most tokens per second under the measured cost of verification (`specdec.engine.cost_model`).
 
 Per request and draft position i we keep α_i, an exponential moving average of the conditional acceptance
-P(token i accepted | tokens 0..i-1 accepted). It starts at an optimistic prior (0.7: enough to try drafting)
-and is updated from the request's own `SpecDecodeMetrics` after every verify step. Each step the cost model
-splits the step's row budget (the knee of T(n)) over the batch so that expected tokens per second is largest;
-a request may get k = 0. A request held at k = 0 for `reprobe_interval` steps drafts one token once (a probe),
-so a request whose drafts start hitting later (a repeated passage, code) climbs back.
+P(token i accepted | tokens 0..i-1 accepted). It starts at an optimistic prior (0.7: enough to try drafting),
+positions not drafted yet take the estimate of the deepest drafted one, and it is updated from the request's
+own `SpecDecodeMetrics` after every verify step. Each step the cost model splits the step's row budget (the
+knee of T(n)) over the batch so that expected tokens per second is largest; a request may get k = 0. A
+request held at k = 0 for `reprobe_interval` steps drafts one token once (a probe), so a request whose drafts
+start hitting later (a repeated passage, code) climbs back.
 
 The cost model's levels follow what the engine measures (`observe_step`, `CostCalibration`): the target's
 seconds per forward and the drafter's seconds per drafted token, so an expensive drafter (a draft model on a
@@ -37,7 +38,12 @@ class AcceptanceEstimate:
     last_draft_length: int = 0  # k of the request's previous step (0: it did not draft, or it is new)
 
     def alpha(self, position: int) -> float:
-        return self.alphas[position] if position < len(self.alphas) else self.prior
+        """Positions never drafted yet take the estimate of the deepest drafted one (the prior before any): were
+        they left at the prior, a request whose drafts all hit would stay at the k it first tried, each deeper
+        position looking only prior-likely and so barely worth a costly draft token."""
+        if position < len(self.alphas):
+            return self.alphas[position]
+        return self.alphas[-1] if self.alphas else self.prior
 
     def table(self, max_k: int) -> list[float]:
         return [self.alpha(i) for i in range(max_k)]
