@@ -200,3 +200,35 @@ def test_large_batches_decode_without_drafts(make_tiny_model, tiny_tokenizer):
         engine.step()
     assert engine.metrics.drafted_tokens == 0
     assert [seq.output_token_ids for seq in seqs] == [seq.output_token_ids for seq in run(model, tiny_tokenizer, PROMPTS * 2, params)[0]]
+
+
+class RecordingPolicy(BatchDraftPolicy):
+    """A fixed policy that records the batch size the engine plans each step with."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "planned", [])
+
+    def draft_lengths(self, seqs, batch_size):
+        self.planned.append((len(seqs), batch_size))
+        return super().draft_lengths(seqs, batch_size)
+
+
+def test_draft_policy_plans_for_the_requests_about_to_join(make_tiny_model, tiny_tokenizer):
+    """While prompts are still prefilling or waiting for a slot, drafts must pay at the batch that is coming:
+    the policy is asked with decoding + prefilling + (waiting up to the free slots) sequences."""
+    model = make_tiny_model("llama")
+    policy = RecordingPolicy(4, max_verify_tokens=32)
+    engine = Engine(model, tiny_tokenizer, max_num_seqs=3, max_model_len=256, drafter=NgramDrafter(3, 1),
+                    num_speculative_tokens=4, prefill_chunk=8, draft_policy=policy)
+    long_prompt = [(7 * i) % 250 + 1 for i in range(30)]  # 4 chunks of 8
+    params = SamplingParams(max_tokens=6)
+    engine.add_request([5, 17, 42], params)  # prefilled in the first step, decodes from the second
+    for _ in range(3):
+        engine.add_request(long_prompt, params)  # two get slots and prefill for several steps; one waits
+    while engine.has_unfinished():
+        engine.step()
+    first_decoding, first_planned = policy.planned[0]
+    assert first_decoding == 1 and first_planned == 3  # 1 decoding + 2 prefilling (the third waits: no free slot)
+    assert all(planned >= decoding for decoding, planned in policy.planned)
+    assert policy.planned[-1][1] == policy.planned[-1][0]  # nothing left to join at the end

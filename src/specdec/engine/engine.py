@@ -221,7 +221,8 @@ class Engine:
     def _propose(self, seqs: list[Sequence]) -> list[Draft]:
         speculating = [seq for seq in seqs if seq.speculative]
         drafts = {}
-        lengths = self.draft_policy.draft_lengths(speculating, batch_size=len(seqs)) if speculating else []
+        planned_batch = self._planning_batch_size(len(seqs))
+        lengths = self.draft_policy.draft_lengths(speculating, batch_size=planned_batch) if speculating else []
         if any(lengths):
             budgets = [seq.max_draft_tokens(k) for seq, k in zip(speculating, lengths)]
             proposed = self.drafter.propose([seq.request_id for seq in speculating], budgets)
@@ -229,6 +230,18 @@ class Engine:
             drafts = {seq.request_id: _cap_tree(draft, seq.max_draft_tokens(node_budget))
                       for seq, draft in zip(speculating, proposed)}
         return [drafts.get(seq.request_id, EMPTY_DRAFT) for seq in seqs]
+
+    def _planning_batch_size(self, decoding: int) -> int:
+        """The batch size the draft policy plans for: the decoding sequences plus those about to join them
+        (prompts being prefilled, and waiting requests up to the free slots).
+
+        While prompts are queued, a decode token gained now only saves a share of a later, fuller step (prefill
+        sets the pace, one chunk per step), and the rows that speculation adds to each such step cost what they
+        cost at any time; so drafts must pay at the batch the engine is about to run, not at the momentary one
+        (docs/benchmarks.md, "Server under load").
+        """
+        joining = sum(1 for seq in self.running if seq.prefilling) + min(len(self.waiting), self.cache.free_slots)
+        return decoding + joining
 
     def _verify(self, seq: Sequence, draft: Draft, tree: DraftTree | None,
                 target_logits: torch.Tensor) -> VerifyResult | TreeVerifyResult:
