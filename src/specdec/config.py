@@ -115,7 +115,7 @@ class SpeculativeConfig:
           draft probability of its path (the tokens before it times its own) is at least this, in [0, 1]
           (default 0.05).
       draft_prefix_cache_tokens: draft_model only: how many tokens of earlier requests' prompts the draft
-          model's prefix store keeps (>= 0, default 16384; 0 disables it). A new request copies the draft
+          model's prefix store keeps (>= 0, default 4096; 0 disables it). A new request copies the draft
           cache entries of the longest shared prefix (at least 16 tokens) instead of prefilling them.
 
     Our keys (suffix drafter only):
@@ -136,7 +136,7 @@ class SpeculativeConfig:
     suffix_cache_requests: int = 64
     num_draft_branches: int = 1
     draft_tree_min_prob: float = 0.05
-    draft_prefix_cache_tokens: int = 16384
+    draft_prefix_cache_tokens: int = 4096  # Qwen-0.5B: 24.6 KB of keys and values per token
 
     def __post_init__(self) -> None:
         self._validate_method_and_model()

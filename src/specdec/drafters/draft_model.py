@@ -59,7 +59,7 @@ class _Branch:
 
 class DraftModelDrafter(Drafter):
     def __init__(self, model: Transformer, max_num_seqs: int, max_model_len: int, num_branches: int = 1,
-                 min_branch_prob: float = 0.05, prefix_cache_tokens: int = 16384) -> None:
+                 min_branch_prob: float = 0.05, prefix_cache_tokens: int = 4096) -> None:
         if num_branches < 1:
             raise ValueError(f"num_branches must be >= 1, got {num_branches}")
         if not 0.0 <= min_branch_prob <= 1.0:
