@@ -99,7 +99,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(
         model=args.model, methods=args.methods or ["none,ngram,suffix"], datasets=list(args.dataset),
-        out=Path(args.out), limit=args.limit, held_out_of=args.held_out_of, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+        out=Path(args.out), limit=args.limit, held_out_of=args.held_out_of, max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
         peers=list(args.peer), categories=args.categories.split(",") if args.categories else None,
         threads=args.threads, weight_format=args.weight_format, draft_policy=args.draft_policy,
         max_model_len=args.max_model_len, device=args.device, plots=not args.no_plots, progress=not args.no_progress,

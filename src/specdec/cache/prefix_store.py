@@ -49,7 +49,7 @@ class PrefixStore:
         """The entry sharing the longest prefix with token_ids and that length (None, 0 below min_match)."""
         best, best_length = None, 0
         for entry in self._entries.values():
-            length = _common_prefix(entry.token_ids, token_ids)
+            length = common_prefix_length(entry.token_ids, token_ids)
             if length > best_length:
                 best, best_length = entry, length
         if best is None or best_length < self.min_match:
@@ -87,7 +87,8 @@ class PrefixStore:
         self._num_tokens -= len(key)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
     length = 0
     for x, y in zip(a, b):
         if x != y:

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from specdec.cache.kv_cache import KVCache
-from specdec.cache.prefix_store import PrefixStore
+from specdec.cache.prefix_store import PrefixStore, common_prefix_length
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
 from specdec.engine.batch import ForwardBatch
@@ -79,11 +79,7 @@ class DraftModelDrafter(Drafter):
     def observe(self, request_id: str, token_ids: Sequence[int]) -> None:
         state = self.states[request_id]
         state.token_ids.extend(token_ids)
-        valid = 0
-        for cached, committed in zip(state.cached_token_ids, state.token_ids):
-            if cached != committed:
-                break
-            valid += 1
+        valid = common_prefix_length(state.cached_token_ids, state.token_ids)
         # keep at least the last committed token uncached: the next proposal needs its logits
         del state.cached_token_ids[min(valid, len(state.token_ids) - 1):]
 
