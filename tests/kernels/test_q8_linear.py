@@ -6,8 +6,9 @@ import torch
 from specdec.kernels import ops
 
 
-# (K, N): K not a multiple of 64 (576+?, 896 -> tail chunks), N not a multiple of 4 (plain tail rows)
-SHAPES = [(576, 37), (640, 256), (896, 130), (1536, 67), (2048, 64), (8960, 22), (100, 9)]
+# (K, N): every kind of tail unit (K mod 512 = 64 -> 2 blocks, 128 -> 4, 384 -> 8 + 4, 448 -> 8 + 4 + 2,
+# 256 -> 8), K not a multiple of 64 (100), N not a multiple of 4 (plain tail rows)
+SHAPES = [(576, 37), (640, 256), (896, 130), (960, 41), (1536, 67), (2048, 64), (8960, 22), (100, 9)]
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -79,7 +80,20 @@ def test_parallel_loops_really_use_the_threads():
 
 
 @pytest.mark.skipif(ops.kernel_isa() != "avx512vnni", reason="needs the AVX-512 VNNI path")
-@pytest.mark.parametrize("k,n", [(576, 37), (896, 130), (2048, 64)])
+def test_row_units_cover_the_padded_row_with_one_epilogue_per_unit():
+    # 512-column groups, then the tail's blocks in units of 8, 4, 2 (largest first), contiguous
+    assert ops._units(1024) == [(0, 16), (16, 16)]
+    assert ops._units(640) == [(0, 16), (16, 4)]
+    assert ops._units(960) == [(0, 16), (16, 8), (24, 4), (28, 2)]
+    assert ops._units(128) == [(0, 4)]
+    for kp in range(64, 4096, 64):
+        units = ops._units(kp)
+        assert sum(blocks for _, blocks in units) * 32 == kp
+        assert all(first == prev_first + prev_blocks for (prev_first, prev_blocks), (first, _) in zip(units, units[1:]))
+        assert sorted(ops._pack_index(kp).tolist()) == list(range(kp))
+
+
+@pytest.mark.parametrize("k,n", [(576, 37), (640, 20), (768, 9), (896, 130), (960, 41), (2048, 64)])
 def test_scalar_path_matches_simd(k, n):
     w, x, bias = _data(k, n, m=20)
     qw = ops.quantize_weight(w)

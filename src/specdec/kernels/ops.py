@@ -138,17 +138,34 @@ def _set_force_scalar(flag: bool) -> None:
 # --------------------------------------------------------------------------- weight layout
 
 
+def _units(kp: int) -> list[tuple[int, int]]:
+    """(first block, blocks) of each unit of a row padded to kp: 512-column groups of 16 blocks, then the
+    tail's blocks in units of 8, 4, 2 (largest first; see q8_kernels.cpp)."""
+    groups = kp // GROUP
+    units = [(16 * g, 16) for g in range(groups)]
+    first, rest = 16 * groups, (kp % GROUP) // BLOCK
+    for blocks in (8, 4, 2):
+        if rest >= blocks:
+            units.append((first, blocks))
+            first, rest = first + blocks, rest - blocks
+    return units
+
+
 @functools.cache
 def _pack_index(kp: int) -> torch.Tensor:
-    """packed[:, p] = natural[:, idx[p]] for a row padded to kp (multiple of 64)."""
-    idx = torch.arange(kp, dtype=torch.long)
-    g = kp // GROUP
-    if g:
-        u = torch.arange(g).view(g, 1, 1, 1)
-        j = torch.arange(8).view(1, 8, 1, 1)
-        lane = torch.arange(16).view(1, 1, 16, 1)
-        b = torch.arange(4).view(1, 1, 1, 4)
-        idx[: g * GROUP] = ((u * 16 + lane) * BLOCK + 4 * j + b).reshape(-1)
+    """packed[:, p] = natural[:, idx[p]] for a row padded to kp (multiple of 64).
+
+    In a unit of nb blocks, block i spreads over s = 16 / nb lanes of each 64-byte vector: packed byte
+    j * 64 + lane * 4 + b of the unit holds value j * 4 * s + (lane % s) * 4 + b of block lane // s."""
+    idx = torch.empty(kp, dtype=torch.long)
+    for first, blocks in _units(kp):
+        lanes_per_block = 16 // blocks
+        j = torch.arange(blocks // 2).view(-1, 1, 1)
+        lane = torch.arange(16).view(1, 16, 1)
+        b = torch.arange(4).view(1, 1, 4)
+        block = first + lane // lanes_per_block
+        value = j * 4 * lanes_per_block + (lane % lanes_per_block) * 4 + b
+        idx[first * BLOCK : (first + blocks) * BLOCK] = (block * BLOCK + value).reshape(-1)
     return idx
 
 
@@ -185,8 +202,8 @@ class QuantizedWeight:
     * columns: K is zero padded (byte 128) to a multiple of 64; inside every
       run of 512 columns the columns are interleaved so that one 64-byte
       vector holds 4 values of each of 16 blocks of 32 (see
-      ``q8_kernels.cpp``); the trailing ``in_padded % 512`` columns stay in
-      natural order;
+      ``q8_kernels.cpp``); the trailing ``in_padded % 512`` columns form units
+      of 8, 4 and 2 blocks, interleaved the same way over 2, 4, 8 lanes per block;
     * rows: every tile of 4 consecutive rows is stored chunk-interleaved
       (memory order [tile][Kp/64 chunks][4 rows][64 bytes]); the last
       ``N % 4`` rows are stored plainly.  So ``qweight[i]`` is NOT row i:

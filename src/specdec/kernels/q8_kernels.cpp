@@ -4,25 +4,26 @@
 //
 // Weight layout ("packed", see ops.py): qweight [N, Kp] uint8, value = q + 128,
 // Kp = K rounded up to a multiple of 64 (zero padded, i.e. byte 128).
-// A row is a sequence of "units":
-//   * G = Kp / 512 groups of 16 blocks (512 values).  Inside a group, byte
-//     u*512 + j*64 + l*4 + b holds natural column (u*16 + l)*32 + 4*j + b
-//     (j = 0..7, lane l = 0..15, b = 0..3): one zmm of a group holds 4 bytes
-//     of each of 16 blocks, so 8 vpdpbusd accumulate the exact int32 dot of
-//     16 blocks in the 16 lanes.
-//   * T = (Kp % 512) / 64 tail chunks of 2 blocks (64 values), natural order:
-//     lanes 0-7 belong to block A, lanes 8-15 to block B.
+// A row is a sequence of "units" of nb blocks of 32 values (nb*32 bytes):
+//   * G = Kp / 512 groups of nb = 16 blocks, then
+//   * the tail of Tb = (Kp % 512) / 32 blocks (even) split into units of
+//     nb = 8, 4, 2 blocks (the binary digits of Tb, largest first).
+// A unit is read as nb/2 zmm (64 bytes each); block i of the unit spreads over
+// s = 16/nb lanes.  Byte j*64 + l*4 + b of the unit (j < nb/2, lane l, b < 4)
+// holds value j*4*s + (l % s)*4 + b of block l / s.  So nb/2 vpdpbusd
+// accumulate the exact int32 dot of each block in its s lanes, and every unit
+// pays one scale epilogue: groups are lane-per-block (value 4*j + b), a unit
+// of 2 blocks is plain natural order (lanes 0-7 block A, 8-15 block B).
 // Rows are stored in tiles of 4: memory order [tile][Kp/64 chunks][4 rows][64 B],
 // so one tile is read as a single sequential stream (the hardware prefetcher
 // handles one long stream much better than 4 short ones); the last N % 4 rows
 // are stored as plain rows.
 // Weight scales: wscale [N, Kp/32] fp16, one per weight row and block of 32
 // input values (natural block order), i.e. the same blocks as the activations.
-// For a group unit lane l uses block u*16 + l; for a tail chunk lanes 0-7 use
-// block A and lanes 8-15 block B.
+// Lane l of a unit uses the scale of the unit's block l / s.
 // Activations are quantized per row and block of 32 (scale = amax/127, round
 // to nearest even) into the same layout.  For every unit the accumulator is
-// initialised with -128 * sum(x_block) in one lane per block, which cancels
+// initialised with -128 * sum(x_block) in the first lane of each block, which cancels
 // the +128 bias of the unsigned weights exactly.  Then
 //   facc[lane] = fma(float(iacc[lane]), xscale[lane] * wscale[lane], facc[lane])
 // (the product rounded to fp32 first, -ffp-contract=off) and
@@ -132,9 +133,27 @@ struct Scratch {
 
 inline size_t align64(size_t v) { return (v + 63) & ~size_t(63); }
 
+// The units of a row padded to Kp (see the top of the file): unit u covers blocks
+// [b0(u), b0(u) + nb(u)), i.e. bytes [32 * b0(u), 32 * (b0(u) + nb(u))) of the packed row.
 struct Layout {
   int64_t Kp, G, T, U;
-  explicit Layout(int64_t kp) : Kp(kp), G(kp / kGroup), T((kp % kGroup) / kChunk), U(G + T) {}
+  int tail_nb[3] = {0, 0, 0};
+  explicit Layout(int64_t kp) : Kp(kp), G(kp / kGroup), T(0) {
+    int64_t rest = (kp % kGroup) / 32;  // tail blocks, even
+    for (int nb = 8; nb >= 2; nb /= 2)
+      if (rest >= nb) {
+        tail_nb[T++] = nb;
+        rest -= nb;
+      }
+    U = G + T;
+  }
+  int nb(int64_t u) const { return u < G ? 16 : tail_nb[u - G]; }
+  int64_t b0(int64_t u) const {
+    if (u <= G) return u * 16;
+    int64_t b = G * 16;
+    for (int64_t t = 0; t < u - G; ++t) b += tail_nb[t];
+    return b;
+  }
 };
 
 // Quantize activation rows [m0, m1) into the packed layout.
@@ -148,9 +167,10 @@ void quantize_rows(const float* x, int64_t K, const Layout& L, int64_t m0, int64
     float* sr = xs + m * ldc;
     std::memset(cr, 0, sizeof(int32_t) * ldc);
     for (int64_t u = 0; u < L.U; ++u) {
-      const bool group = u < L.G;
-      const int nb = group ? 16 : 2;
-      const int64_t b0 = group ? u * 16 : L.G * 16 + (u - L.G) * 2;
+      const int nb = L.nb(u);
+      const int s = 16 / nb;  // lanes per block
+      const int64_t b0 = L.b0(u);
+      int8_t* qu = qr + b0 * 32;
       for (int l = 0; l < nb; ++l) {
         const int64_t k0 = (b0 + l) * 32;
         const int64_t kn = std::max<int64_t>(0, std::min<int64_t>(32, K - k0));
@@ -170,16 +190,11 @@ void quantize_rows(const float* x, int64_t K, const Layout& L, int64_t m0, int64
           q[i] = static_cast<int8_t>(v);
           sum += v;
         }
-        if (group) {
-          for (int j = 0; j < 8; ++j)
-            for (int b = 0; b < 4; ++b) qr[u * kGroup + j * 64 + l * 4 + b] = q[4 * j + b];
-          cr[u * 16 + l] = -128 * sum;
-          sr[u * 16 + l] = d;
-        } else {
-          std::memcpy(qr + L.G * kGroup + (u - L.G) * kChunk + l * 32, q, 32);
-          cr[u * 16 + l * 8] = -128 * sum;
-          for (int i = 0; i < 8; ++i) sr[u * 16 + l * 8 + i] = d;
-        }
+        for (int j = 0; j < nb / 2; ++j)
+          for (int r = 0; r < s; ++r)
+            for (int b = 0; b < 4; ++b) qu[j * 64 + (l * s + r) * 4 + b] = q[j * 4 * s + r * 4 + b];
+        cr[u * 16 + l * s] = -128 * sum;
+        for (int r = 0; r < s; ++r) sr[u * 16 + l * s + r] = d;
       }
     }
   }
@@ -195,15 +210,12 @@ void dot_row_scalar(const uint8_t* w, int64_t cs, const int8_t* x, const int32_t
   float fa[16] = {0};
   int32_t ia[16];
   for (int64_t u = 0; u < L.U; ++u) {
+    const int nb = L.nb(u);
+    const int64_t b0 = L.b0(u);
     float wl[16];
-    if (u < L.G) {
-      for (int l = 0; l < 16; ++l) wl[l] = half_to_float(ws[u * 16 + l]);
-    } else {
-      const int64_t b = L.G * 16 + (u - L.G) * 2;
-      for (int l = 0; l < 16; ++l) wl[l] = half_to_float(ws[b + l / 8]);
-    }
-    const int steps = u < L.G ? 8 : 1;
-    const int64_t off = u < L.G ? u * kGroup : L.G * kGroup + (u - L.G) * kChunk;
+    for (int l = 0; l < 16; ++l) wl[l] = half_to_float(ws[b0 + l / (16 / nb)]);
+    const int steps = nb / 2;
+    const int64_t off = b0 * 32;
     for (int l = 0; l < 16; ++l) ia[l] = corr[u * 16 + l];
     for (int j = 0; j < steps; ++j) {
       const uint8_t* wp = w + (off / 64 + j) * cs;
@@ -333,6 +345,64 @@ inline __m512 exp16_avx(__m512 x) {
 
 // NR weight rows x MR activation rows, full K.
 // wscale: fp16 block scales of the first row of the tile, row stride Kp/32
+// One unit of NB blocks starting at block b0 (unit index u): NB/2 vpdpbusd per (weight row, activation row)
+// give the exact int32 dots of its blocks, then one scale epilogue adds them into fa.
+template <int NR, int MR, int NB>
+__attribute__((always_inline)) inline void unit_avx(const uint8_t* W, const int8_t* X, const int32_t* corr,
+                                                    const float* xs, int64_t Kp, int64_t ldc, int64_t ldw, int64_t u,
+                                                    int64_t b0, const uint16_t* wscale, __m512 (&fa)[NR][MR]) {
+  __m512i ia[NR][MR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) {
+    const __m512i c = _mm512_loadu_si512(corr + m * ldc + u * 16);
+#pragma GCC unroll 16
+    for (int n = 0; n < NR; ++n) ia[n][m] = c;
+  }
+  // W is the tile base: chunk q of row n is at W + (q * NR + n) * 64
+  const uint8_t* wp = W + b0 * 32 * NR;
+  const int8_t* xp = X + b0 * 32;
+#pragma GCC unroll 8
+  for (int j = 0; j < NB / 2; ++j) {
+    __m512i w[NR];
+#pragma GCC unroll 16
+    for (int n = 0; n < NR; ++n) w[n] = _mm512_loadu_si512(wp + (j * NR + n) * 64);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512i xv = _mm512_loadu_si512(xp + m * Kp + j * 64);
+#pragma GCC unroll 16
+      for (int n = 0; n < NR; ++n) ia[n][m] = _mm512_dpbusd_epi32(ia[n][m], w[n], xv);
+    }
+  }
+#pragma GCC unroll 16
+  for (int n = 0; n < NR; ++n) {
+    __m512 wsv;
+    if constexpr (NB == 16) {
+      wsv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wscale + n * ldw + b0)));
+    } else {  // lane l takes the scale of block l / (16 / NB)
+      constexpr int shift = NB == 8 ? 1 : NB == 4 ? 2 : 3;
+      const __m512i block_of_lane =
+          _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), shift);
+      const uint16_t* src = wscale + n * ldw + b0;  // exactly NB halves: read no further
+      __m128i h;
+      if constexpr (NB == 8) {
+        h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      } else if constexpr (NB == 4) {
+        h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
+      } else {
+        int32_t two;
+        std::memcpy(&two, src, sizeof(two));
+        h = _mm_cvtsi32_si128(two);
+      }
+      wsv = _mm512_permutexvar_ps(block_of_lane, _mm512_castps256_ps512(_mm256_cvtph_ps(h)));
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(xs + m * ldc + u * 16), wsv);
+      fa[n][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[n][m]), s, fa[n][m]);
+    }
+  }
+}
+
 template <int NR, int MR>
 inline void tile_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
                      const uint16_t* wscale, const float* bias, float* y, int64_t ldy) {
@@ -343,70 +413,19 @@ inline void tile_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, con
   // small stream: fetch them early so their misses overlap this tile's work
   for (int64_t o = 0; o < NR * ldw * 2; o += 64)
     _mm_prefetch(reinterpret_cast<const char*>(wscale + NR * ldw) + o, _MM_HINT_T0);
-  // W is the tile base: chunk q of row n is at W + (q * NR + n) * 64
   __m512 fa[NR][MR];
 #pragma GCC unroll 16
   for (int n = 0; n < NR; ++n)
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) fa[n][m] = _mm512_setzero_ps();
 
-  for (int64_t u = 0; u < L.G; ++u) {
-    __m512i ia[NR][MR];
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m512i c = _mm512_loadu_si512(corr + m * ldc + u * 16);
-#pragma GCC unroll 16
-      for (int n = 0; n < NR; ++n) ia[n][m] = c;
-    }
-    const uint8_t* wp = W + u * kGroup * NR;
-    const int8_t* xp = X + u * kGroup;
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      __m512i w[NR];
-#pragma GCC unroll 16
-      for (int n = 0; n < NR; ++n) {
-        w[n] = _mm512_loadu_si512(wp + (j * NR + n) * 64);
-      }
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) {
-        const __m512i xv = _mm512_loadu_si512(xp + m * Kp + j * 64);
-#pragma GCC unroll 16
-        for (int n = 0; n < NR; ++n) ia[n][m] = _mm512_dpbusd_epi32(ia[n][m], w[n], xv);
-      }
-    }
-#pragma GCC unroll 16
-    for (int n = 0; n < NR; ++n) {
-      const __m512 wsv = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wscale + n * ldw + u * 16)));
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) {
-        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(xs + m * ldc + u * 16), wsv);
-        fa[n][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[n][m]), s, fa[n][m]);
-      }
-    }
-  }
+  for (int64_t u = 0; u < L.G; ++u) unit_avx<NR, MR, 16>(W, X, corr, xs, Kp, ldc, ldw, u, u * 16, wscale, fa);
   for (int64_t t = 0; t < L.T; ++t) {
     const int64_t u = L.G + t;
-    const int64_t off = L.G * kGroup + t * kChunk;
-    __m512i w[NR];
-    __m512 wsv[NR];
-    const __m512i sel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-#pragma GCC unroll 16
-    for (int n = 0; n < NR; ++n) {
-      w[n] = _mm512_loadu_si512(W + off * NR + n * 64);
-      int32_t two;  // fp16 scales of blocks A, B of this chunk
-      std::memcpy(&two, wscale + n * ldw + L.G * 16 + t * 2, 4);
-      wsv[n] = _mm512_permutexvar_ps(sel, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(two))));
-    }
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m512i c = _mm512_loadu_si512(corr + m * ldc + u * 16);
-      const __m512i xv = _mm512_loadu_si512(X + m * Kp + off);
-      const __m512 xsv = _mm512_loadu_ps(xs + m * ldc + u * 16);
-#pragma GCC unroll 16
-      for (int n = 0; n < NR; ++n)
-        fa[n][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, w[n], xv)), _mm512_mul_ps(xsv, wsv[n]),
-                                   fa[n][m]);
+    switch (L.tail_nb[t]) {
+      case 8: unit_avx<NR, MR, 8>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, fa); break;
+      case 4: unit_avx<NR, MR, 4>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, fa); break;
+      default: unit_avx<NR, MR, 2>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, fa); break;
     }
   }
 #pragma GCC unroll 16
