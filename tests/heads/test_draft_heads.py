@@ -54,10 +54,10 @@ def train(model, tokenizer, method, steps, draft_vocab_size=None, checkpoint=Non
     return trainer
 
 
-def make_head_drafter(trainer, model, max_num_seqs=4, max_model_len=256):
+def make_head_drafter(trainer, model, max_num_seqs=4, max_model_len=256, weight_format="q8"):
     if trainer.config.method == "eagle":
-        return EagleDrafter(trainer.head, trainer.parts, model.config.vocab_size, max_num_seqs, max_model_len)
-    return MedusaDrafter(trainer.head, trainer.parts, model.config.vocab_size)
+        return EagleDrafter(trainer.head, trainer.parts, model.config.vocab_size, max_num_seqs, max_model_len, weight_format)
+    return MedusaDrafter(trainer.head, trainer.parts, model.config.vocab_size, weight_format)
 
 
 # ---- target hidden states --------------------------------------------------------------------------------
@@ -120,6 +120,32 @@ def test_unrolled_training_steps_see_what_a_chain_draft_sees(make_tiny_model):
                 assert torch.allclose(predicted[0], unrolled[depth - 1][row, position], atol=1e-5), (row, start, depth)
     other = head.forward_unrolled(embeds, hidden.roll(1, dims=1), steps=2)[1]  # the check above can fail
     assert not torch.allclose(other, unrolled[1], atol=1e-3)
+
+
+def test_heads_draft_with_int8_copies_of_their_weights(trained_heads, make_tiny_model):
+    """Drafting runs frozen copies of the head's linear maps in the target's weight format: q8 reads about a quarter
+    of the fp32 bytes and stays close to the trained fp32 head; fp32 copies give exactly the training modules."""
+    model = make_tiny_model("qwen2")
+    trainer = trained_heads("qwen2", "eagle")
+    q8, fp32 = make_head_drafter(trainer, model), make_head_drafter(trainer, model, weight_format="fp32")
+    assert all(linear.quantized is not None for linear in q8.projections.as_list() + [q8.draft_lm_head])
+    assert q8.weight_nbytes < 0.35 * fp32.weight_nbytes
+    torch.manual_seed(0)
+    rows, hidden_size = 6, trainer.config.hidden_size
+    embeds, hidden = torch.randn(rows, hidden_size), torch.randn(rows, hidden_size)
+    positions, slots = torch.arange(rows), torch.zeros(rows, dtype=torch.int64)
+
+    def predict(projections):
+        cache = KVCache(trainer.head.cache_config(), 1, 64)
+        return trainer.head.forward_cached(embeds, hidden, positions, slots, cache, projections)
+
+    modules = predict(None)
+    assert torch.equal(predict(fp32.projections), modules)
+    quantized = predict(q8.projections)
+    assert not torch.equal(quantized, modules)
+    assert float((quantized - modules).norm() / modules.norm()) < 0.05
+    logits = trainer.parts.draft_logits(modules)
+    assert float((trainer.parts.draft_logits(modules, q8.draft_lm_head) - logits).norm() / logits.norm()) < 0.05
 
 
 def test_draft_vocabulary_takes_the_most_frequent_tokens():

@@ -75,5 +75,5 @@ def build_head_drafter(method: str, path: str, target: Transformer, max_model_le
     head.to(target.device)
     parts = TargetParts.from_target(target, head_file.draft_token_ids)
     if method == "eagle":
-        return EagleDrafter(head, parts, target.config.vocab_size, max_num_seqs, max_model_len)
-    return MedusaDrafter(head, parts, target.config.vocab_size)
+        return EagleDrafter(head, parts, target.config.vocab_size, max_num_seqs, max_model_len, target.weight_format)
+    return MedusaDrafter(head, parts, target.config.vocab_size, target.weight_format)

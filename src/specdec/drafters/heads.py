@@ -4,7 +4,8 @@ with its own KV cache) and Medusa (k independent heads on the last hidden state)
 Both keep, per request, the committed tokens and the target hidden rows not yet consumed; the engine hands
 over hidden(t) for every committed position t except the newest token's (HiddenStateDrafter). Draft
 probabilities (sampling) are the head's distribution over its draft vocabulary scattered into the full
-vocabulary, so rejection sampling stays exact; greedy drafts are point masses.
+vocabulary, so rejection sampling stays exact; greedy drafts are point masses. The heads draft with frozen copies
+of their linear maps in the target's weight format (q8 by default: our int8 kernel), not the fp32 training modules.
 """
 from __future__ import annotations
 
@@ -35,14 +36,18 @@ class HeadDrafter(HiddenStateDrafter):
     """Request bookkeeping shared by the EAGLE and Medusa drafters.
 
     forward_per_draft_token: EAGLE runs its head once per draft position; Medusa once per step (cost model).
+    weight_format: the format of the frozen drafting copies of the head's linear maps and draft lm_head rows
+    ("q8": our int8 kernel, a quarter of fp32's bytes; "fp32"); the head module itself is not changed.
     """
 
     forward_per_draft_token: bool
 
-    def __init__(self, head: EagleHead | MedusaHeads, parts: TargetParts, vocab_size: int) -> None:
+    def __init__(self, head: EagleHead | MedusaHeads, parts: TargetParts, vocab_size: int, weight_format: str = "q8") -> None:
         self.head = head.eval()
         self.parts = parts
         self.vocab_size = vocab_size
+        self.projections = head.projections(weight_format)
+        self.draft_lm_head = parts.draft_lm_head_in(weight_format)
         self.states: dict[str, _HeadState] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -51,9 +56,12 @@ class HeadDrafter(HiddenStateDrafter):
 
     @property
     def weight_nbytes(self) -> int:
-        """Bytes of weights one head forward reads: the head's parameters and the draft lm_head rows."""
-        parameters = sum(p.numel() * p.element_size() for p in self.head.parameters())
-        return parameters + self.parts.draft_lm_head.numel() * self.parts.draft_lm_head.element_size()
+        """Bytes of weights one head forward reads: the drafting copies of its linear maps, the draft lm_head rows
+        and the head's other (norm) parameters."""
+        linears = self.projections.as_list() if isinstance(self.head, EagleHead) else self.projections
+        linear_params = {id(p) for m in self.head.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+        others = sum(p.numel() * p.element_size() for p in self.head.parameters() if id(p) not in linear_params)
+        return sum(linear.nbytes() for linear in linears) + self.draft_lm_head.nbytes() + others
 
     def _state(self, request_id: str) -> _HeadState:
         if request_id not in self.states:
@@ -74,7 +82,7 @@ class HeadDrafter(HiddenStateDrafter):
 
     def _draft_tokens(self, states: list[_HeadState], hidden: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
         """hidden [len(states), hidden] predicted states -> per state (draft token, draft probs [1, vocab] or None)."""
-        logits = self.parts.draft_logits(hidden)  # [rows, draft vocab]
+        logits = self.parts.draft_logits(hidden, self.draft_lm_head)  # [rows, draft vocab]
         return [self._draft_token(state, logits[row : row + 1]) for row, state in enumerate(states)]
 
     def _draft_token(self, state: _HeadState, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
@@ -99,8 +107,9 @@ class EagleDrafter(HeadDrafter):
 
     forward_per_draft_token = True
 
-    def __init__(self, head: EagleHead, parts: TargetParts, vocab_size: int, max_num_seqs: int, max_model_len: int) -> None:
-        super().__init__(head, parts, vocab_size)
+    def __init__(self, head: EagleHead, parts: TargetParts, vocab_size: int, max_num_seqs: int, max_model_len: int,
+                 weight_format: str = "q8") -> None:
+        super().__init__(head, parts, vocab_size, weight_format)
         self.cache = KVCache(head.cache_config(), max_num_seqs, max_model_len, parts.draft_lm_head.device)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -154,7 +163,7 @@ class EagleDrafter(HeadDrafter):
     def _forward(self, tokens: list[int], hidden: torch.Tensor, positions: list[int], slots: list[int]) -> torch.Tensor:
         as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=hidden.device)  # noqa: E731
         embeds = self.parts.embed(as_long(tokens))  # [rows, hidden]
-        return self.head.forward_cached(embeds, hidden, as_long(positions), as_long(slots), self.cache)
+        return self.head.forward_cached(embeds, hidden, as_long(positions), as_long(slots), self.cache, self.projections)
 
 
 class MedusaDrafter(HeadDrafter):
@@ -163,8 +172,8 @@ class MedusaDrafter(HeadDrafter):
 
     forward_per_draft_token = False
 
-    def __init__(self, heads: MedusaHeads, parts: TargetParts, vocab_size: int) -> None:
-        super().__init__(heads, parts, vocab_size)
+    def __init__(self, heads: MedusaHeads, parts: TargetParts, vocab_size: int, weight_format: str = "q8") -> None:
+        super().__init__(heads, parts, vocab_size, weight_format)
 
     def observe_target_hidden(self, request_id: str, target_hidden: torch.Tensor) -> None:
         super().observe_target_hidden(request_id, target_hidden)
@@ -182,7 +191,7 @@ class MedusaDrafter(HeadDrafter):
         if not active:
             return _drafts(drafted, probs)
         newest = torch.cat([states[i].pending_hidden[-1] for i in active])  # [active, hidden]
-        predicted = self.head(newest)  # [heads, active, hidden]
+        predicted = self.head(newest, self.projections)  # [heads, active, hidden]
         for head in range(min(limit, max(max_draft_tokens[i] for i in active))):
             rows = [row for row, i in enumerate(active) if head < max_draft_tokens[i]]
             chosen = [states[active[row]] for row in rows]

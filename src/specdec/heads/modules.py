@@ -9,10 +9,15 @@ Medusa (Cai et al. 2024): head i maps h(t) to h + SiLU(W_i h + b_i) and the lm_h
 
 Both draft over a subset of the target's lm_head rows (`TargetParts.draft_lm_head`, frozen) and map the row
 index back to the token id.
+
+Training runs the heads' linear maps as fp32 nn.Linear modules (autograd); drafting runs frozen copies in the
+target's weight format (`projections(weight_format)`; q8: our int8 kernel), which read a quarter of the bytes
+per draft token and cost about the same for a few rows as for one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +27,10 @@ from specdec.cache.kv_cache import KVCache
 from specdec.heads.config import HeadConfig
 from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
 from specdec.models.config import ModelConfig
+from specdec.models.layers import Linear
 from specdec.models.layers import RotaryTable
+
+Projection = Callable[[torch.Tensor], torch.Tensor]  # [rows, in] -> [rows, out]
 
 
 @dataclass(frozen=True)
@@ -45,12 +53,37 @@ class TargetParts:
         """token_ids [n] int64 -> [n, hidden] fp32 (scaled like the target's input embedding)."""
         return self.embed_source.embed(token_ids).float() * self.embedding_scale
 
-    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., hidden] -> logits over the draft vocabulary [..., draft vocab]."""
-        logits = F.linear(hidden, self.draft_lm_head)
+    def draft_logits(self, hidden: torch.Tensor, lm_head: Projection | None = None) -> torch.Tensor:
+        """hidden [..., hidden] -> logits over the draft vocabulary [..., draft vocab]; lm_head: the draft rows in a
+        weight format (`draft_lm_head_in`), else the fp32 rows (training)."""
+        logits = lm_head(hidden) if lm_head is not None else F.linear(hidden, self.draft_lm_head)
         if self.final_logit_softcap:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits
+
+    def draft_lm_head_in(self, weight_format: str) -> Linear:
+        """The draft lm_head rows as a frozen Linear in weight_format, for drafting."""
+        return Linear.build(self.draft_lm_head, None, weight_format)
+
+
+@dataclass(frozen=True)
+class EagleProjections:
+    """The EAGLE layer's linear maps: the trainable nn.Linear modules, or frozen `Linear` copies for drafting."""
+
+    fc: Projection
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+
+    def as_list(self) -> list[Projection]:
+        return [self.fc, self.qkv, self.o, self.gate_up, self.down]
+
+
+def frozen_linears(modules: list[nn.Linear], weight_format: str) -> list[Linear]:
+    """Frozen copies of nn.Linear modules in weight_format ("q8": our int8 kernel; "fp32")."""
+    return [Linear.build(m.weight.detach().float(), None if m.bias is None else m.bias.detach().float(), weight_format)
+            for m in modules]
 
 
 class EagleHead(nn.Module):
@@ -78,15 +111,20 @@ class EagleHead(nn.Module):
                            intermediate_size=c.intermediate_size, num_layers=1, num_heads=c.num_heads,
                            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, max_position_embeddings=1 << 20)
 
-    def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def projections(self, weight_format: str | None = None) -> EagleProjections:
+        """The trainable modules (weight_format None), or frozen copies in weight_format for drafting."""
+        modules = [self.fc, self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj]
+        return EagleProjections(*(modules if weight_format is None else frozen_linears(modules, weight_format)))
+
+    def _input(self, embeds: torch.Tensor, hidden: torch.Tensor, proj: EagleProjections) -> torch.Tensor:
         """embeds, hidden [..., hidden] -> the layer input [..., hidden]."""
         eps = self.config.rms_norm_eps
-        return self.fc(torch.cat([rms_norm(embeds, self.embed_norm, eps), rms_norm(hidden, self.hidden_norm, eps)], -1))
+        return proj.fc(torch.cat([rms_norm(embeds, self.embed_norm, eps), rms_norm(hidden, self.hidden_norm, eps)], -1))
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, proj: EagleProjections):
         """x [rows, hidden], positions [rows] -> rotated query [rows, H, D], key, value [rows, Hkv, D]."""
         c = self.config
-        qkv = self.qkv_proj(rms_norm(x, self.attn_norm, c.rms_norm_eps))  # [rows, (H + 2 Hkv) * D]
+        qkv = proj.qkv(rms_norm(x, self.attn_norm, c.rms_norm_eps))  # [rows, (H + 2 Hkv) * D]
         value = qkv[:, self.q_size + self.kv_size :].reshape(-1, c.num_kv_heads, c.head_dim)
         if self.rotary.inv_freq.device != x.device:
             self.rotary = RotaryTable(c.head_dim, c.rope_theta, x.device)
@@ -94,9 +132,9 @@ class EagleHead(nn.Module):
         query, key = qk_norm_rope(qkv, self.qk_shape, None, None, cos, sin, positions)
         return query, key, value
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(rms_norm(x, self.ffn_norm, self.config.rms_norm_eps))  # [rows, 2 * inter]
-        return self.down_proj(gated_activation(gate_up, "silu"))
+    def _mlp(self, x: torch.Tensor, proj: EagleProjections) -> torch.Tensor:
+        gate_up = proj.gate_up(rms_norm(x, self.ffn_norm, self.config.rms_norm_eps))  # [rows, 2 * inter]
+        return proj.down(gated_activation(gate_up, "silu"))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Training, teacher-forced: whole sequences from position 0. embeds [B, T, hidden] (token t + 1), hidden
@@ -116,6 +154,7 @@ class EagleHead(nn.Module):
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         c = self.config
+        proj = self.projections()
         batch, length, _ = hidden.shape
         positions = torch.arange(length, device=hidden.device).repeat(batch)
         group = c.num_heads // c.num_kv_heads
@@ -127,32 +166,34 @@ class EagleHead(nn.Module):
         for step in range(1, steps + 1):
             if step > 1:  # position t reads the previous step's prediction made at t - 1
                 step_hidden = torch.cat([torch.zeros_like(hidden[:, :1]), predictions[-1][:, :-1]], dim=1)
-            x = self._input(embeds, step_hidden).reshape(batch * length, -1)  # [B*T, hidden]
-            query, key, value = self._qkv(x, positions)
+            x = self._input(embeds, step_hidden, proj).reshape(batch * length, -1)  # [B*T, hidden]
+            query, key, value = self._qkv(x, positions, proj)
             step_keys.append(as_heads(key).repeat_interleave(group, dim=1))
             step_values.append(as_heads(value).repeat_interleave(group, dim=1))
             if step == 1:
                 context = F.scaled_dot_product_attention(as_heads(query), step_keys[0], step_values[0], is_causal=True)
             else:
                 context = _draft_depth_attention(as_heads(query), step_keys, step_values, c.head_dim**-0.5)
-            x = x + self.o_proj(context.transpose(1, 2).reshape(batch * length, self.q_size))
-            x = x + self._mlp(x)
+            x = x + proj.o(context.transpose(1, 2).reshape(batch * length, self.q_size))
+            x = x + self._mlp(x, proj)
             predictions.append(x.reshape(batch, length, -1))
         return predictions
 
     @torch.inference_mode()
     def forward_cached(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       cache: KVCache) -> torch.Tensor:
+                       cache: KVCache, projections: EagleProjections | None = None) -> torch.Tensor:
         """Drafting: ragged rows of several requests. embeds, hidden [rows, hidden]; positions, slots [rows] int64.
-        Writes the rows' keys/values at their positions and returns the predicted next states [rows, hidden]."""
-        x = self._input(embeds, hidden)
-        query, key, value = self._qkv(x, positions)
+        Writes the rows' keys/values at their positions and returns the predicted next states [rows, hidden].
+        projections: the frozen drafting copies (`projections(weight_format)`); None: the fp32 modules."""
+        proj = projections if projections is not None else self.projections()
+        x = self._input(embeds, hidden, proj)
+        query, key, value = self._qkv(x, positions, proj)
         cache.write(0, slots, positions, key, value)
         key_end = (positions + 1).to(torch.int32)
         context = attention(query.contiguous(), cache.keys[0], cache.values[0], slots.to(torch.int32),
                             torch.zeros_like(key_end), key_end, self.config.head_dim**-0.5)
-        x = x + self.o_proj(context.reshape(-1, self.q_size))
-        return x + self._mlp(x)
+        x = x + proj.o(context.reshape(-1, self.q_size))
+        return x + self._mlp(x, proj)
 
 
 def _draft_depth_attention(query: torch.Tensor, step_keys: list[torch.Tensor], step_values: list[torch.Tensor],
@@ -188,9 +229,15 @@ class MedusaHeads(nn.Module):
             nn.init.zeros_(block.weight)
             nn.init.zeros_(block.bias)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., hidden] -> per head [num heads, ..., hidden]; head i predicts for token t + 1 + i."""
-        return torch.stack([hidden + F.silu(block(hidden)) for block in self.blocks])
+    def projections(self, weight_format: str | None = None) -> list[Projection]:
+        """The trainable blocks (weight_format None), or frozen copies in weight_format for drafting."""
+        return list(self.blocks) if weight_format is None else frozen_linears(list(self.blocks), weight_format)
+
+    def forward(self, hidden: torch.Tensor, projections: list[Projection] | None = None) -> torch.Tensor:
+        """hidden [..., hidden] -> per head [num heads, ..., hidden]; head i predicts for token t + 1 + i.
+        projections: the frozen drafting copies of the blocks (`projections(weight_format)`); None: the modules."""
+        blocks = projections if projections is not None else self.blocks
+        return torch.stack([hidden + F.silu(block(hidden)) for block in blocks])
 
 
 def build_head(config: HeadConfig) -> nn.Module:
