@@ -131,14 +131,41 @@ def test_calibration_scales_the_target_and_measures_the_drafter():
     calibration = CostCalibration(weight=0.5)
     calibration.observe(base, rows=3, draft_lengths=(2, 1), draft_s=0.008, target_s=0.022)
     calibrated = calibration.apply(base)
-    assert calibration.target_scale == pytest.approx(1.5)  # from the prior 1: (1 + 2) / 2
-    assert calibrated.forward(3) == pytest.approx(0.0165)  # measured level, profiled shape
-    # from the profile's 0.001 at the measured level 1.5 and the observed 0.004 (batched: max k = 2 tokens)
-    assert calibration.draft_per_token_s == pytest.approx((0.0015 + 0.004) / 2)
-    assert calibrated.drafter((2, 1)) == pytest.approx(0.0055)
+    assert calibration.target_scale == pytest.approx(2.0)  # the first measured step sets the level: 0.022 / 0.011
+    assert calibrated.forward(3) == pytest.approx(0.022)  # measured level, profiled shape
+    # from the profile's 0.001 at the measured level 2 and the observed 0.004 (batched: max k = 2 tokens)
+    assert calibration.draft_per_token_s == pytest.approx((0.002 + 0.004) / 2)
+    assert calibrated.drafter((2, 1)) == pytest.approx(0.006)
     calibration.observe(base, rows=1, draft_lengths=(0,), draft_s=0.0, target_s=0.015)  # no draft: drafter unchanged
-    assert calibration.draft_per_token_s == pytest.approx(0.00275)
-    assert calibration.target_scale == pytest.approx(1.5)
+    assert calibration.draft_per_token_s == pytest.approx(0.003)
+    assert calibration.target_scale == pytest.approx((2.0 + 1.5) / 2)
+
+
+def test_unmeasured_drafter_keeps_its_proportion_to_the_measured_target():
+    """Without a profile T(1) is the unit (1 s) and a draft model's estimate is its weight-byte share of it. A
+    first step whose drafter time does not count (the draft model prefilled the prompt) must still bring the
+    drafter estimate to the measured level with the target's; left at the unit level it looked 15x dearer than
+    the target's real step and the policy never drafted again (Qwen-1.5B / 0.5B: k = 0 after one step)."""
+    base = CostModel.fallback(32, DrafterCost(per_token_s=0.35, per_step_s=0.35, batched=True))
+    calibration = CostCalibration()
+    calibration.observe(base, rows=3, draft_lengths=(2,), draft_s=None, target_s=0.070)
+    calibrated = calibration.apply(base)
+    assert calibrated.forward(1) == pytest.approx(0.070 / 1.04)  # the fallback's 2 % per extra row
+    assert calibrated.drafter.per_token_s == pytest.approx(0.35 * 0.070 / 1.04)
+    assert calibrated.drafter.per_token_s / calibrated.forward(1) == pytest.approx(0.35)
+
+
+def test_policy_without_a_profile_keeps_drafting_a_draft_model_that_hits(tiny_tokenizer):
+    # the drafter estimate is a third of T(1) (weight bytes), its real cost the same third of the measured 60 ms
+    policy = AdaptiveDraftPolicy(4, CostModel.fallback(32, DrafterCost(per_token_s=0.33, per_step_s=0.33, batched=True)),
+                                 reprobe_interval=1000)
+    seq = make_seq(tiny_tokenizer)
+    lengths = []
+    for i in range(12):
+        k = step(policy, [seq], [1 if i == 0 else 4])[0]  # first step: one hit, then a miss
+        lengths.append(k)
+        policy.observe_step(StepCost(1 + k, (k,), draft_s=(0.4 if i == 0 else 0.020 * k), target_s=0.060))
+    assert lengths[0] > 0 and all(k > 0 for k in lengths[1:]), lengths
 
 
 def test_calibration_clips_a_lone_outlier():

@@ -196,9 +196,10 @@ class CostCalibration:
     the draft model, a re-probe after k = 0 catches it up on many tokens, a page fault or a preempted thread
     stalls a forward. So each observation is clipped to `max_jump` times the current estimate before it is
     averaged: a lone outlier moves the estimate by at most weight · (max_jump − 1), while a real, lasting
-    change still takes over within a few steps. The drafter's estimate starts from the profile's (for a
-    draft model: its T(1) scaled by weight bytes) times the measured target scale (the fallback profile
-    counts in units of T(1)), the target's from 1.
+    change still takes over within a few steps. The target's level is set by its first measured step (the
+    fallback profile counts in units of T(1), so a prior of 1 would be off by the whole T(1)); the drafter's
+    estimate is the profile's (for a draft model: its T(1) scaled by weight bytes) times the measured target
+    scale until the drafter itself is measured, so the two stay in proportion from the first step on.
     """
 
     weight: float = 0.2  # EMA weight of one step
@@ -210,8 +211,8 @@ class CostCalibration:
                 target_s: float) -> None:
         """draft_s None: the step's drafter time is not representative (the drafter estimate stays)."""
         if target_s > 0:
-            current = 1.0 if self.target_scale is None else self.target_scale
-            self.target_scale = self._average(current, target_s / base.forward(rows))
+            measured = target_s / base.forward(rows)
+            self.target_scale = measured if self.target_scale is None else self._average(self.target_scale, measured)
         drafted = (max(draft_lengths) if base.drafter.batched else sum(draft_lengths)) if draft_lengths else 0
         if drafted > 0 and draft_s is not None and draft_s >= 0:
             current = self.draft_per_token_s
@@ -230,6 +231,9 @@ class CostCalibration:
         drafter = base.drafter
         if self.draft_per_token_s is not None:
             drafter = DrafterCost(per_token_s=self.draft_per_token_s, per_step_s=0.0, batched=base.drafter.batched)
+        elif self.target_scale is not None:  # not measured yet: the profile's estimate at the measured level
+            drafter = dataclasses.replace(drafter, per_token_s=drafter.per_token_s * self.target_scale,
+                                          per_step_s=drafter.per_step_s * self.target_scale)
         return dataclasses.replace(base, forward=forward, drafter=drafter)
 
 
