@@ -102,3 +102,26 @@ def test_profile_cache_round_trip(tmp_path, monkeypatch):
 def test_measure_forward_costs_on_tiny_model(make_tiny_model):
     costs = cost_model.measure_forward_costs(make_tiny_model("llama"), max_rows=6, context=8, repeats=1)
     assert costs.max_rows == 6 and all(a <= b for a, b in zip(costs.seconds, costs.seconds[1:]))
+
+
+def test_adaptive_policy_measures_and_caches_a_missing_profile(make_tiny_model, tmp_path, monkeypatch):
+    """Without a cached profile a named model is profiled once (not planned with the flat fallback) and the
+    profile is cached under its key; the next policy reads it without measuring."""
+    from specdec.engine.adaptive import _cached_cost_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = make_tiny_model("llama")
+    measured = []
+    real_measure = cost_model.measure_forward_costs
+
+    def measure(target, **kwargs):
+        measured.append(target)
+        return real_measure(target, max_rows=6, context=8, repeats=1)
+
+    monkeypatch.setattr(cost_model, "measure_forward_costs", measure)
+    first = _cached_cost_model(model, None, "tiny-llama", "q8", 32)
+    assert measured == [model] and first.forward.max_rows == 6 and first.knee_ratio != float("inf")
+    assert len(list((tmp_path / "specdec" / "costs").glob("tiny-llama-q8-*.json"))) == 1
+    second = _cached_cost_model(model, None, "tiny-llama", "q8", 32)
+    assert len(measured) == 1 and second.forward == first.forward
+    assert _cached_cost_model(model, None, None, "q8", 32).knee_ratio == float("inf")  # no name: the fallback

@@ -15,6 +15,7 @@ slow machine) is switched off by its measured cost, not by an estimate.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence as SequenceOf
 
@@ -154,8 +155,9 @@ def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: 
                        target=None, drafter=None, model_name: str | None = None,
                        weight_format: str = "q8") -> DraftLengthPolicy | None:
     """The engine's draft policy for LLM(draft_policy=...): an instance as given; "fixed" -> BatchDraftPolicy;
-    "adaptive" -> AdaptiveDraftPolicy over the cached profile of this (model, weight format, threads, machine)
-    when one exists (`specdec plan --measure` writes it), else `CostModel.fallback`. None when not speculating."""
+    "adaptive" -> AdaptiveDraftPolicy over the profile of this (model, weight format, threads, machine, kernel
+    build): the cached one, else measured now and cached (a few seconds, once; `specdec plan --measure` redoes
+    it); `CostModel.fallback` when the model has no name to key a profile by. None when not speculating."""
     from specdec.engine.draft_policy import BatchDraftPolicy
 
     if isinstance(choice, DraftLengthPolicy):
@@ -173,14 +175,23 @@ def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: 
 def _cached_cost_model(target, drafter, model_name: str | None, weight_format: str, max_verify_tokens: int) -> CostModel:
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.drafters.heads import HeadDrafter
-    from specdec.engine.cost_model import DrafterCost, ProfileKey, load_profile
+    from specdec.engine.cost_model import DrafterCost, ProfileKey, load_profile, measure_forward_costs, save_profile
 
     forward = None
     if model_name is not None and target is not None:
         try:
-            forward = load_profile(ProfileKey.current(model_name, weight_format, target.device))
+            key = ProfileKey.current(model_name, weight_format, target.device)
         except (OSError, ValueError):
-            forward = None
+            key = None
+        forward = load_profile(key) if key is not None else None
+        if key is not None and forward is None:
+            print(f"[measuring the forward cost T(n) of {model_name} for the draft-length policy: once per model, "
+                  "machine and kernel build]", file=sys.stderr)
+            forward = measure_forward_costs(target)
+            try:
+                save_profile(key, forward)
+            except OSError:
+                pass  # an unwritable cache: use the measurement for this run only
     t1 = forward(1) if forward is not None else 1.0  # the fallback's time unit is T(1)
     drafter_cost = DrafterCost()  # ngram / suffix lookups: measured ≈ 0 next to a forward
     if isinstance(drafter, DraftModelDrafter) and target is not None:
