@@ -27,8 +27,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.heads.config import HeadConfig
 from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
 from specdec.models.config import ModelConfig
-from specdec.models.layers import Linear
-from specdec.models.layers import RotaryTable
+from specdec.models.layers import Linear, RotaryTable
 
 Projection = Callable[[torch.Tensor], torch.Tensor]  # [rows, in] -> [rows, out]
 
