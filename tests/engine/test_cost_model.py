@@ -116,11 +116,12 @@ def test_adaptive_policy_measures_and_caches_a_missing_profile(make_tiny_model, 
 
     def measure(target, **kwargs):
         measured.append(target)
-        return real_measure(target, max_rows=6, context=8, repeats=1)
+        return real_measure(target, max_rows=kwargs["max_rows"], context=8, repeats=1)
 
     monkeypatch.setattr(cost_model, "measure_forward_costs", measure)
     first = _cached_cost_model(model, None, "tiny-llama", "q8", 32)
-    assert measured == [model] and first.forward.max_rows == 6 and first.knee_ratio != float("inf")
+    assert measured == [model] and first.forward.max_rows == cost_model.MAX_PROFILE_ROWS
+    assert first.knee_ratio != float("inf")
     assert len(list((tmp_path / "specdec" / "costs").glob("tiny-llama-q8-*.json"))) == 1
     second = _cached_cost_model(model, None, "tiny-llama", "q8", 32)
     assert len(measured) == 1 and second.forward == first.forward

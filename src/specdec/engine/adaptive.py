@@ -15,7 +15,6 @@ slow machine) is switched off by its measured cost, not by an estimate.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Sequence as SequenceOf
 
@@ -175,7 +174,7 @@ def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: 
 def _cached_cost_model(target, drafter, model_name: str | None, weight_format: str, max_verify_tokens: int) -> CostModel:
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.drafters.heads import HeadDrafter
-    from specdec.engine.cost_model import DrafterCost, ProfileKey, load_profile, measure_forward_costs, save_profile
+    from specdec.engine.cost_model import DrafterCost, ProfileKey, load_or_measure
 
     forward = None
     if model_name is not None and target is not None:
@@ -183,15 +182,7 @@ def _cached_cost_model(target, drafter, model_name: str | None, weight_format: s
             key = ProfileKey.current(model_name, weight_format, target.device)
         except (OSError, ValueError):
             key = None
-        forward = load_profile(key) if key is not None else None
-        if key is not None and forward is None:
-            print(f"[measuring the forward cost T(n) of {model_name} for the draft-length policy: once per model, "
-                  "machine and kernel build]", file=sys.stderr)
-            forward = measure_forward_costs(target)
-            try:
-                save_profile(key, forward)
-            except OSError:
-                pass  # an unwritable cache: use the measurement for this run only
+        forward = load_or_measure(target, key) if key is not None else None
     t1 = forward(1) if forward is not None else 1.0  # the fallback's time unit is T(1)
     drafter_cost = DrafterCost()  # ngram / suffix lookups: measured ≈ 0 next to a forward
     if isinstance(drafter, DraftModelDrafter) and target is not None:

@@ -23,6 +23,7 @@ import os
 import platform
 import re
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,9 +362,16 @@ def load_profile(key: ProfileKey) -> ForwardCosts | None:
 
 
 def load_or_measure(model, key: ProfileKey, max_rows: int = MAX_PROFILE_ROWS) -> ForwardCosts:
+    """The cached profile for key, else one measured now (with a notice on stderr) and cached; an unwritable
+    cache keeps the measurement for this run only."""
     cached = load_profile(key)
     if cached is not None and cached.max_rows >= max_rows:
         return cached
+    print(f"[measuring the forward cost T(n) of {key.model.split('@')[0]}: once per model, machine and kernel build]",
+          file=sys.stderr)
     forward = measure_forward_costs(model, max_rows=max_rows)
-    save_profile(key, forward)
+    try:
+        save_profile(key, forward)
+    except OSError:
+        pass
     return forward
