@@ -93,7 +93,7 @@ def test_row_units_cover_the_padded_row_with_one_epilogue_per_unit():
         assert sorted(ops._pack_index(kp).tolist()) == list(range(kp))
 
 
-@pytest.mark.parametrize("k,n", [(576, 37), (640, 20), (768, 9), (896, 130), (960, 41), (2048, 64)])
+@pytest.mark.parametrize("k,n", [(100, 9), (576, 37), (640, 20), (768, 9), (896, 130), (960, 41), (2048, 64), (8960, 22)])
 def test_scalar_path_matches_simd(k, n):
     w, x, bias = _data(k, n, m=20)
     qw = ops.quantize_weight(w)
