@@ -321,6 +321,25 @@ inline float hsum16_avx(__m512 a) {
   return _mm_cvtss_f32(s1);
 }
 
+// [hsum16_avx(a), hsum16_avx(b), hsum16_avx(c), hsum16_avx(d)] bitwise: the same tree of additions per
+// vector, four vectors at a time (t8 = lo256 + hi256, t4 = t8[0:4] + t8[4:8], t2 = t4[0:2] + t4[2:4],
+// t1 = t2[0] + t2[1]), with each vector's partial sums gathered into one register by shuffles.
+inline __m128 hsum16x4_avx(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // t8 of a | t8 of b, and of c | d
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+  // 128-bit lane i: t4 of vector i
+  const __m512 t4 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+  // element 0 of lane i: t4[0] + t4[2], element 1: t4[1] + t4[3]
+  const __m512 t2 = _mm512_add_ps(t4, _mm512_permute_ps(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+  // element 0 of lane i: t2[0] + t2[1]
+  const __m512 t1 = _mm512_add_ps(t2, _mm512_permute_ps(t2, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), t1));
+}
+
 inline __m512 exp16_avx(__m512 x) {
   const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(kExpLo));
   const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)),
@@ -434,14 +453,23 @@ inline void tile_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, con
       default: unit_avx<NR, MR, 2>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
     }
   }
+  if constexpr (NR == 4) {
 #pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 16
-    for (int n = 0; n < NR; ++n) {
-      float v = hsum16_avx(fa[n][m]);
-      if (bias) v = v + bias[n];
-      y[m * ldy + n] = v;
+    for (int m = 0; m < MR; ++m) {
+      __m128 v = hsum16x4_avx(fa[0][m], fa[1][m], fa[2][m], fa[3][m]);
+      if (bias) v = _mm_add_ps(v, _mm_loadu_ps(bias));
+      _mm_storeu_ps(y + m * ldy, v);
     }
+  } else {
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 16
+      for (int n = 0; n < NR; ++n) {
+        float v = hsum16_avx(fa[n][m]);
+        if (bias) v = v + bias[n];
+        y[m * ldy + n] = v;
+      }
+  }
 }
 
 template <int NR>
