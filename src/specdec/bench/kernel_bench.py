@@ -47,6 +47,22 @@ def _median_time(fn, min_reps: int = 5, max_reps: int = 200, budget_s: float = 0
     return statistics.median(ts)
 
 
+def _interleaved_median_times(fns: dict, min_rounds: int = 5, max_rounds: int = 200, budget_s: float = 1.5) -> dict:
+    """Median seconds of each callable, called in rounds (each once per round), so that the machine's drift
+    affects every entry alike (ratios such as T(8)/T(1) come from the same moments)."""
+    for fn in fns.values():
+        fn()
+    times = {key: [] for key in fns}
+    rounds, t_end = 0, time.perf_counter() + budget_s
+    while rounds < min_rounds or (rounds < max_rounds and time.perf_counter() < t_end):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+        rounds += 1
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
 def _rotating(make, nbytes: int, cold: bool):
     """A callable cycling through enough weight copies to overflow the L3 (cold) or one copy (hot)."""
     copies = min(64, max(1, -(-COLD_BYTES // nbytes))) if cold else 1
@@ -85,10 +101,8 @@ def bench_linear(shapes, ms, baselines=True, cold=True):
                           lambda x, wt: F.linear(x.to(torch.bfloat16), wt), 2 * n * k))
             impls.append(("fp32", _rotating(lambda: w.clone(), 4 * n * k, cold), F.linear, 4 * n * k))
         for name, weights, fn, nbytes in impls:
-            times = {}
-            for m in ms:
-                x = torch.randn(m, k, generator=g)
-                times[m] = _median_time(lambda: fn(x, weights()))
+            inputs = {m: torch.randn(m, k, generator=g) for m in ms}
+            times = _interleaved_median_times({m: (lambda x=x: fn(x, weights())) for m, x in inputs.items()})
             t1 = times[ms[0]]
             ratio = times[8] / t1 if 8 in times else float("nan")
             row = f"{k:>6}x{n:<7} {name:>5} " + " ".join(f"{times[m] * 1e3:8.3f}m" for m in ms)

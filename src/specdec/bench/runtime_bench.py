@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import time
 
 import torch
 
 from specdec.config import SamplingParams
-from specdec.engine.batch import ForwardBatch
+from specdec.engine.cost_model import forward_seconds
 from specdec.llm import LLM
 from specdec.runtime import configure_threads
 
@@ -41,23 +40,13 @@ def peak_rss_mb() -> float:
 
 
 def forward_cost_curve(llm: LLM, context: int, max_rows: int, repeats: int) -> dict[int, float]:
-    """Median seconds of one forward of n new tokens after `context` cached tokens, n = 1..max_rows."""
-    engine, model = llm.engine, llm.model
+    """Median seconds of one forward of n new tokens after `context` cached tokens, n = 1..max_rows (row
+    counts interleaved in `repeats` rounds, see `cost_model.forward_seconds`)."""
+    engine = llm.engine
     slot = engine.cache.allocate()
     try:
-        prompt = [int(t) % model.config.vocab_size for t in torch.randint(100, 5000, (context,))]
-        model.forward(ForwardBatch.build([prompt], [0], [slot], all_logits=False), engine.cache)
-        curve = {}
-        for rows in range(1, max_rows + 1):
-            batch = ForwardBatch.build([prompt[:rows]], [context], [slot], all_logits=True)
-            model.forward(batch, engine.cache)  # warm-up
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                model.forward(batch, engine.cache)
-                times.append(time.perf_counter() - start)
-            curve[rows] = statistics.median(times)
-        return curve
+        seconds = forward_seconds(llm.model, engine.cache, slot, context, max_rows, repeats)
+        return {rows: value for rows, value in enumerate(seconds, start=1)}
     finally:
         engine.cache.free(slot)
 

@@ -240,31 +240,40 @@ class CostCalibration:
 
 # ---- measuring and caching --------------------------------------------------------------------------------
 def measure_forward_costs(model, max_rows: int = MAX_PROFILE_ROWS, context: int = 128, repeats: int = 3) -> ForwardCosts:
-    """Median seconds of one forward of n new tokens of one sequence after `context` cached tokens, n = 1..max_rows.
+    """T(n) for n = 1..max_rows (`forward_seconds` in a cache of its own), made monotone.
 
     model: a specdec Transformer. Rows of one sequence stand for the rows of a batch: the weights are streamed
     once per forward either way; only the (small at this context) attention reads differ.
     """
     from specdec.cache.kv_cache import KVCache
-    from specdec.engine.batch import ForwardBatch
 
     cache = KVCache(model.config, 1, context + max_rows + 1, model.device)
+    return ForwardCosts(monotone(forward_seconds(model, cache, 0, context, max_rows, repeats)))
+
+
+def forward_seconds(model, cache, slot: int, context: int, max_rows: int, repeats: int) -> list[float]:
+    """Median seconds of one forward of n new tokens of one sequence after `context` cached tokens (random
+    token ids, prefilled into `slot` first), n = 1..max_rows. The row counts are interleaved, `repeats`
+    rounds of n = 1..max_rows, so a slow spell of the machine touches every n alike instead of bending
+    the curve."""
+    from specdec.engine.batch import ForwardBatch
+
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (context + max_rows,), generator=generator).tolist()
-    model.forward(ForwardBatch.build([prompt[:context]], [0], [0], all_logits=False, device=model.device), cache)
-    seconds = []
-    for rows in range(1, max_rows + 1):
-        batch = ForwardBatch.build([prompt[context : context + rows]], [context], [0], all_logits=True, device=model.device)
+    model.forward(ForwardBatch.build([prompt[:context]], [0], [slot], all_logits=False, device=model.device), cache)
+    batches = [ForwardBatch.build([prompt[context : context + rows]], [context], [slot], all_logits=True,
+                                  device=model.device) for rows in range(1, max_rows + 1)]
+    for batch in batches:
         model.forward(batch, cache)  # warm-up
-        times = []
-        for _ in range(repeats):
+    times: list[list[float]] = [[] for _ in batches]
+    for _ in range(repeats):
+        for batch, batch_times in zip(batches, times):
             _sync(model.device)
             start = time.perf_counter()
             model.forward(batch, cache)
             _sync(model.device)
-            times.append(time.perf_counter() - start)
-        seconds.append(statistics.median(times))
-    return ForwardCosts(monotone(seconds))
+            batch_times.append(time.perf_counter() - start)
+    return [statistics.median(batch_times) for batch_times in times]
 
 
 def monotone(seconds: SequenceOf[float]) -> tuple[float, ...]:
