@@ -156,10 +156,50 @@ struct Layout {
   }
 };
 
-// Quantize activation rows [m0, m1) into the packed layout.
-void quantize_rows(const float* x, int64_t K, const Layout& L, int64_t m0, int64_t m1, int8_t* xq,
-                   int32_t* corr, float* xs) {
+// Quantizes the nb blocks of 32 values starting at block b0 of one activation row xr (K values, zero beyond
+// K): block l's values in natural order go to q[32 l .. 32 l + 32), its scale d = amax / 127 to d[l] and the
+// sum of its int8 values to sum[l] (round to nearest even, clamp to +-127).
+using QuantizeUnit = void (*)(const float* xr, int64_t K, int64_t b0, int nb, int8_t* q, float* d, int32_t* sum);
+
+void quantize_unit_scalar(const float* xr, int64_t K, int64_t b0, int nb, int8_t* q, float* d, int32_t* sum) {
+  for (int l = 0; l < nb; ++l) {
+    const int64_t k0 = (b0 + l) * 32;
+    const int64_t kn = std::max<int64_t>(0, std::min<int64_t>(32, K - k0));
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kn; ++i) amax = std::max(amax, std::fabs(xr[k0 + i]));
+    d[l] = amax / 127.0f;
+    const float id = d[l] > 0.0f ? 1.0f / d[l] : 0.0f;
+    sum[l] = 0;
+    for (int i = 0; i < 32; ++i) {
+      int v = 0;
+      if (i < kn) {
+        float r = std::nearbyint(xr[k0 + i] * id);
+        r = std::min(127.0f, std::max(-127.0f, r));
+        v = static_cast<int>(r);
+      }
+      q[32 * l + i] = static_cast<int8_t>(v);
+      sum[l] += v;
+    }
+  }
+}
+
+// A unit of nb = 16 / S blocks from natural order (block l at q[32 l ..)) into the packed layout: 4-byte group
+// (j * 16 + l * S + r) of the unit <- group (j * S + r) of block l. S is a constant so that each copy is one
+// move (with S a variable the compiler merged them into a call of memcpy per block and group).
+template <int S>
+inline void scatter_unit(const int8_t* q, int8_t* qu) {
+  constexpr int nb = 16 / S;
+  for (int l = 0; l < nb; ++l)
+    for (int j = 0; j < nb / 2; ++j) std::memcpy(qu + (j * 16 + l * S) * 4, q + 32 * l + j * S * 4, 4 * S);
+}
+
+// Quantize activation rows [m0, m1) into the packed layout, one unit at a time.
+void quantize_rows(QuantizeUnit quantize_unit, const float* x, int64_t K, const Layout& L, int64_t m0, int64_t m1,
+                   int8_t* xq, int32_t* corr, float* xs) {
   const int64_t ldc = L.U * 16;
+  alignas(64) int8_t q[16 * 32];
+  float d[16];
+  int32_t sum[16];
   for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * K;
     int8_t* qr = xq + m * L.Kp;
@@ -170,31 +210,17 @@ void quantize_rows(const float* x, int64_t K, const Layout& L, int64_t m0, int64
       const int nb = L.nb(u);
       const int s = 16 / nb;  // lanes per block
       const int64_t b0 = L.b0(u);
-      int8_t* qu = qr + b0 * 32;
+      quantize_unit(xr, K, b0, nb, q, d, sum);
       for (int l = 0; l < nb; ++l) {
-        const int64_t k0 = (b0 + l) * 32;
-        const int64_t kn = std::max<int64_t>(0, std::min<int64_t>(32, K - k0));
-        float amax = 0.0f;
-        for (int64_t i = 0; i < kn; ++i) amax = std::max(amax, std::fabs(xr[k0 + i]));
-        const float d = amax / 127.0f;
-        const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t q[32];
-        int32_t sum = 0;
-        for (int i = 0; i < 32; ++i) {
-          int v = 0;
-          if (i < kn) {
-            float r = std::nearbyint(xr[k0 + i] * id);
-            r = std::min(127.0f, std::max(-127.0f, r));
-            v = static_cast<int>(r);
-          }
-          q[i] = static_cast<int8_t>(v);
-          sum += v;
-        }
-        for (int j = 0; j < nb / 2; ++j)
-          for (int r = 0; r < s; ++r)
-            for (int b = 0; b < 4; ++b) qu[j * 64 + (l * s + r) * 4 + b] = q[j * 4 * s + r * 4 + b];
-        cr[u * 16 + l * s] = -128 * sum;
-        for (int r = 0; r < s; ++r) sr[u * 16 + l * s + r] = d;
+        cr[u * 16 + l * s] = -128 * sum[l];
+        for (int r = 0; r < s; ++r) sr[u * 16 + l * s + r] = d[l];
+      }
+      int8_t* qu = qr + b0 * 32;
+      switch (s) {
+        case 1: scatter_unit<1>(q, qu); break;
+        case 2: scatter_unit<2>(q, qu); break;
+        case 4: scatter_unit<4>(q, qu); break;
+        default: scatter_unit<8>(q, qu); break;
       }
     }
   }
@@ -513,53 +539,43 @@ void linear_block_avx(const uint8_t* W, const int8_t* X, const int32_t* corr, co
   }
 }
 
-// Quantize activation rows [m0, m1) into the packed layout: the same operations as
-// quantize_rows (amax of |x| -- exact in any order --, d = amax / 127, id = 1 / d,
-// nearest-even rounding of x * id, clamp to +-127, exact int sum), 32 values at a time.
-void quantize_rows_avx(const float* x, int64_t K, const Layout& L, int64_t m0, int64_t m1, int8_t* xq,
-                       int32_t* corr, float* xs) {
-  const int64_t ldc = L.U * 16;
-  alignas(64) int32_t q[16 * 8];  // one unit's blocks in natural order: block l holds dwords [8 l, 8 l + 8)
+// quantize_unit_scalar's operations (amax of |x| -- exact in any order --, d = amax / 127, id = 1 / d,
+// nearest-even rounding of x * id, clamp to +-127, exact int sum), 16 values per instruction, in two passes
+// so that the blocks' reductions and divisions overlap instead of forming one chain per block.
+void quantize_unit_avx(const float* xr, int64_t K, int64_t b0, int nb, int8_t* q, float* d, int32_t* sum) {
   const __m512 lim = _mm512_set1_ps(127.0f);
   const __m512 nlim = _mm512_set1_ps(-127.0f);
-  for (int64_t m = m0; m < m1; ++m) {
-    const float* xr = x + m * K;
-    int8_t* qr = xq + m * L.Kp;
-    int32_t* cr = corr + m * ldc;
-    float* sr = xs + m * ldc;
-    std::memset(cr, 0, sizeof(int32_t) * ldc);
-    for (int64_t u = 0; u < L.U; ++u) {
-      const int nb = L.nb(u);
-      const int s = 16 / nb;  // lanes per block
-      const int64_t b0 = L.b0(u);
-      for (int l = 0; l < nb; ++l) {
-        const int64_t k0 = (b0 + l) * 32;
-        const int64_t kn = std::max<int64_t>(0, std::min<int64_t>(32, K - k0));
-        const __mmask16 lo = kn >= 16 ? __mmask16(0xffff) : __mmask16((1u << kn) - 1);
-        const __mmask16 hi = kn >= 32 ? __mmask16(0xffff) : kn > 16 ? __mmask16((1u << (kn - 16)) - 1) : __mmask16(0);
-        const __m512 v0 = _mm512_maskz_loadu_ps(lo, xr + k0);
-        const __m512 v1 = _mm512_maskz_loadu_ps(hi, xr + k0 + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float d = amax / 127.0f;
-        const float id = d > 0.0f ? 1.0f / d : 0.0f;
-        const __m512 idv = _mm512_set1_ps(id);
-        constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        const __m512 r0 = _mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_roundscale_ps(_mm512_mul_ps(v0, idv), kNearest)));
-        const __m512 r1 = _mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_roundscale_ps(_mm512_mul_ps(v1, idv), kNearest)));
-        const __m512i i0 = _mm512_cvtps_epi32(r0);
-        const __m512i i1 = _mm512_cvtps_epi32(r1);
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-        _mm_store_si128(reinterpret_cast<__m128i*>(q + 8 * l), _mm512_cvtepi32_epi8(i0));
-        _mm_store_si128(reinterpret_cast<__m128i*>(q + 8 * l + 4), _mm512_cvtepi32_epi8(i1));
-        cr[u * 16 + l * s] = -128 * sum;
-        for (int r = 0; r < s; ++r) sr[u * 16 + l * s + r] = d;
-      }
-      // dword (j * 16 + l * s + r) of the unit <- dword (j * s + r) of block l
-      int32_t* qu = reinterpret_cast<int32_t*>(qr + b0 * 32);
-      for (int j = 0; j < nb / 2; ++j)
-        for (int l = 0; l < nb; ++l)
-          for (int r = 0; r < s; ++r) qu[j * 16 + l * s + r] = q[8 * l + j * s + r];
-    }
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __mmask16 lo[16], hi[16];
+  alignas(64) float amax[16] = {0};
+  alignas(64) float id[16];
+  for (int l = 0; l < nb; ++l) {
+    const int64_t k0 = (b0 + l) * 32;
+    const int64_t kn = std::max<int64_t>(0, std::min<int64_t>(32, K - k0));
+    lo[l] = kn >= 16 ? __mmask16(0xffff) : __mmask16((1u << kn) - 1);
+    hi[l] = kn >= 32 ? __mmask16(0xffff) : kn > 16 ? __mmask16((1u << (kn - 16)) - 1) : __mmask16(0);
+    const __m512 v0 = _mm512_maskz_loadu_ps(lo[l], xr + k0);
+    const __m512 v1 = _mm512_maskz_loadu_ps(hi[l], xr + k0 + 16);
+    amax[l] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  }
+  const __m512 dv = _mm512_div_ps(_mm512_load_ps(amax), _mm512_set1_ps(127.0f));  // lane-wise as the scalar divide
+  const __mmask16 positive = _mm512_cmp_ps_mask(dv, _mm512_setzero_ps(), _CMP_GT_OQ);
+  _mm512_store_ps(id, _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0f), dv));
+  alignas(64) float dl[16];
+  _mm512_store_ps(dl, dv);
+  for (int l = 0; l < nb; ++l) {
+    const int64_t k0 = (b0 + l) * 32;
+    const __m512 idv = _mm512_set1_ps(id[l]);
+    const __m512 v0 = _mm512_maskz_loadu_ps(lo[l], xr + k0);
+    const __m512 v1 = _mm512_maskz_loadu_ps(hi[l], xr + k0 + 16);
+    const __m512 r0 = _mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_roundscale_ps(_mm512_mul_ps(v0, idv), kNearest)));
+    const __m512 r1 = _mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_roundscale_ps(_mm512_mul_ps(v1, idv), kNearest)));
+    const __m512i i0 = _mm512_cvtps_epi32(r0);
+    const __m512i i1 = _mm512_cvtps_epi32(r1);
+    d[l] = dl[l];
+    sum[l] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * l), _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * l + 16), _mm512_cvtepi32_epi8(i1));
   }
 }
 
@@ -902,12 +918,11 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
 
   const float* xp = x.data_ptr<float>();
   const bool avx = use_avx();
-  auto quantize = [&](int64_t a, int64_t b) {
+  QuantizeUnit quantize_unit = quantize_unit_scalar;
 #ifdef SPECDEC_X86
-    if (avx) return quantize_rows_avx(xp, K, L, a, b, xq, corr, xs);
+  if (avx) quantize_unit = quantize_unit_avx;
 #endif
-    quantize_rows(xp, K, L, a, b, xq, corr, xs);
-  };
+  auto quantize = [&](int64_t a, int64_t b) { quantize_rows(quantize_unit, xp, K, L, a, b, xq, corr, xs); };
   if (M * K < (1 << 16)) {
     quantize(0, M);
   } else {
