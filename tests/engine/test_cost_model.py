@@ -104,6 +104,25 @@ def test_measure_forward_costs_on_tiny_model(make_tiny_model):
     assert costs.max_rows == 6 and all(a <= b for a, b in zip(costs.seconds, costs.seconds[1:]))
 
 
+def test_forward_timings_interleave_the_row_counts(make_tiny_model):
+    """Rounds of n = 1..N (not all repeats of one n, then the next): a slow spell of the machine then touches
+    every row count alike instead of bending the curve."""
+    from specdec.cache.kv_cache import KVCache
+
+    model = make_tiny_model("llama")
+    rows_seen = []
+    forward = model.forward
+
+    def recording_forward(batch, cache):
+        rows_seen.append(len(batch.token_ids))
+        return forward(batch, cache)
+
+    model.forward = recording_forward
+    seconds = cost_model.forward_seconds(model, KVCache(model.config, 2, 32, model.device), 1, 8, 3, repeats=2)
+    assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert rows_seen == [8] + [1, 2, 3] + [1, 2, 3] * 2  # prefill, warm-ups, then two interleaved rounds
+
+
 def test_adaptive_policy_measures_and_caches_a_missing_profile(make_tiny_model, tmp_path, monkeypatch):
     """Without a cached profile a named model is profiled once (not planned with the flat fallback) and the
     profile is cached under its key; the next policy reads it without measuring."""
