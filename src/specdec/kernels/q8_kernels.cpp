@@ -158,13 +158,16 @@ struct Layout {
 
 // Quantizes the nb blocks of 32 values starting at block b0 of one activation row xr (K values, zero beyond
 // K): block l's values in natural order go to q[32 l .. 32 l + 32), its scale d = amax / 127 to d[l] and the
-// sum of its int8 values to sum[l] (round to nearest even, clamp to +-127).
+// sum of its int8 values to sum[l] (round to nearest even, clamp to +-127). d and sum have room for 16.
 using QuantizeUnit = void (*)(const float* xr, int64_t K, int64_t b0, int nb, int8_t* q, float* d, int32_t* sum);
+
+// values of block k0 / 32 that lie within the row's K (the rest of the block is zero padding)
+inline int64_t values_in_block(int64_t K, int64_t k0) { return std::max<int64_t>(0, std::min<int64_t>(32, K - k0)); }
 
 void quantize_unit_scalar(const float* xr, int64_t K, int64_t b0, int nb, int8_t* q, float* d, int32_t* sum) {
   for (int l = 0; l < nb; ++l) {
     const int64_t k0 = (b0 + l) * 32;
-    const int64_t kn = std::max<int64_t>(0, std::min<int64_t>(32, K - k0));
+    const int64_t kn = values_in_block(K, k0);
     float amax = 0.0f;
     for (int64_t i = 0; i < kn; ++i) amax = std::max(amax, std::fabs(xr[k0 + i]));
     d[l] = amax / 127.0f;
@@ -551,7 +554,7 @@ void quantize_unit_avx(const float* xr, int64_t K, int64_t b0, int nb, int8_t* q
   alignas(64) float id[16];
   for (int l = 0; l < nb; ++l) {
     const int64_t k0 = (b0 + l) * 32;
-    const int64_t kn = std::max<int64_t>(0, std::min<int64_t>(32, K - k0));
+    const int64_t kn = values_in_block(K, k0);
     lo[l] = kn >= 16 ? __mmask16(0xffff) : __mmask16((1u << kn) - 1);
     hi[l] = kn >= 32 ? __mmask16(0xffff) : kn > 16 ? __mmask16((1u << (kn - 16)) - 1) : __mmask16(0);
     const __m512 v0 = _mm512_maskz_loadu_ps(lo[l], xr + k0);
@@ -561,8 +564,7 @@ void quantize_unit_avx(const float* xr, int64_t K, int64_t b0, int nb, int8_t* q
   const __m512 dv = _mm512_div_ps(_mm512_load_ps(amax), _mm512_set1_ps(127.0f));  // lane-wise as the scalar divide
   const __mmask16 positive = _mm512_cmp_ps_mask(dv, _mm512_setzero_ps(), _CMP_GT_OQ);
   _mm512_store_ps(id, _mm512_maskz_div_ps(positive, _mm512_set1_ps(1.0f), dv));
-  alignas(64) float dl[16];
-  _mm512_store_ps(dl, dv);
+  _mm512_storeu_ps(d, dv);
   for (int l = 0; l < nb; ++l) {
     const int64_t k0 = (b0 + l) * 32;
     const __m512 idv = _mm512_set1_ps(id[l]);
@@ -572,7 +574,6 @@ void quantize_unit_avx(const float* xr, int64_t K, int64_t b0, int nb, int8_t* q
     const __m512 r1 = _mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_roundscale_ps(_mm512_mul_ps(v1, idv), kNearest)));
     const __m512i i0 = _mm512_cvtps_epi32(r0);
     const __m512i i1 = _mm512_cvtps_epi32(r1);
-    d[l] = dl[l];
     sum[l] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * l), _mm512_cvtepi32_epi8(i0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * l + 16), _mm512_cvtepi32_epi8(i1));
