@@ -37,14 +37,7 @@ SHAPES = [
 
 
 def _median_time(fn, min_reps: int = 5, max_reps: int = 200, budget_s: float = 0.4) -> float:
-    fn()
-    ts: list[float] = []
-    t_end = time.perf_counter() + budget_s
-    while len(ts) < min_reps or (len(ts) < max_reps and time.perf_counter() < t_end):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return _interleaved_median_times({None: fn}, min_reps, max_reps, budget_s)[None]
 
 
 def _interleaved_median_times(fns: dict, min_rounds: int = 5, max_rounds: int = 200, budget_s: float = 1.5) -> dict:
