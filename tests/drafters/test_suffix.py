@@ -207,3 +207,49 @@ def test_tree_adds_the_continuations_of_shorter_suffixes():
     (draft,) = drafter.propose(["r"], [2])
     assert draft.token_ids == (3, 8)
     assert draft.tree.token_ids == (3, 8, 4, 7) and draft.tree.parents == (-1, 0, -1, 2)
+
+
+# ---- the cross-request cache: outputs with a short prompt tail; eviction frees trie nodes --------------
+def test_cache_keeps_outputs_and_the_prompt_tail_not_the_whole_prompt() -> None:
+    drafter = make_drafter(max_depth=16)  # prompt tail: 16 // 4 = 4 tokens
+    prompt = [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]
+    drafter.add_request("first", prompt, PARAMS, None)
+    drafter.observe("first", [50, 51, 52])
+    drafter.remove_request("first")
+    drafter.add_request("early", [1, 31, 32], PARAMS, None)  # the prompt's start is not cached
+    assert propose_one(drafter, "early", 3) == ()
+    drafter.add_request("tail", [2, 37, 38], PARAMS, None)  # its last 4 tokens are
+    assert propose_one(drafter, "tail", 3) == (39, 50, 51)
+
+
+def live_nodes(trie) -> int:
+    """Nodes reachable from the root (excluding it)."""
+    stack, seen = [0], 0
+    while stack:
+        children = trie.children(stack.pop())
+        seen += len(children)
+        stack.extend(children)
+    return seen
+
+
+def test_eviction_frees_nodes_and_leaves_the_same_trie_as_a_fresh_cache() -> None:
+    rng = random.Random(3)
+    requests = [[rng.choice([0, 1, 2, 3, 4]) for _ in range(rng.randrange(5, 40))] for _ in range(30)]
+    evicting = make_drafter(max_depth=8, cache_requests=3)
+    for index, tokens in enumerate(requests):
+        evicting.add_request(f"r{index}", tokens[:2], PARAMS, None)
+        evicting.observe(f"r{index}", tokens[2:])
+        evicting.remove_request(f"r{index}")
+    fresh = make_drafter(max_depth=8, cache_requests=3)
+    for index, tokens in enumerate(requests[-3:]):
+        fresh.add_request(f"f{index}", tokens[:2], PARAMS, None)
+        fresh.observe(f"f{index}", tokens[2:])
+        fresh.remove_request(f"f{index}")
+    kept, rebuilt = evicting._cache.trie, fresh._cache.trie
+    assert live_nodes(kept) == live_nodes(rebuilt) == len(kept.edges) == len(rebuilt.edges)
+    assert len(kept.count) - 1 - len(kept.free) == live_nodes(kept)  # every other node is on the free list
+    for query, context in enumerate(([0], [1, 2], [3, 4, 0], [2, 2, 2], [4])):
+        evicting.add_request(f"q{query}", context, PARAMS, None)
+        fresh.add_request(f"q{query}", context, PARAMS, None)
+        for budget in (1, 3, 5):
+            assert propose_one(evicting, f"q{query}", budget) == propose_one(fresh, f"q{query}", budget)
