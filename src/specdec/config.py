@@ -122,7 +122,8 @@ class SpeculativeConfig:
       suffix_max_depth: depth limit of the suffix trie = longest context + draft it can match (>= 1).
       suffix_min_token_prob: the draft stops once the running product of the empirical continuation
           probabilities falls below this, in [0, 1].
-      suffix_cache_requests: how many finished requests' token sequences the cross-request cache keeps
+      suffix_cache_requests: how many finished requests' outputs (each with its prompt's last
+          suffix_max_depth // 4 tokens) the cross-request cache keeps
           (>= 0; 0 disables the cache).
     """
 
