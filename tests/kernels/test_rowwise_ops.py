@@ -106,3 +106,30 @@ def test_autograd_inputs_take_the_differentiable_torch_path():
     query, key = ops.qk_norm_rope(qkv, ops.QKNormRope(4, 1, 64, 1e-6), None, None, cos, sin, positions)
     (query.sum() + key.sum()).backward()
     assert qkv.grad is not None and qkv.grad[:, : 5 * 64].abs().sum() > 0
+
+
+def test_prefill_sized_calls_split_rows_over_threads_without_changing_them():
+    """Above 2^16 values (a prefill) the row-wise kernels run their rows on the intra-op threads; every row must
+    equal the row computed alone, as in a decode step."""
+    assert ops.parallel_threads(4) == min(4, torch.get_num_threads())
+    generator = _generator(7)
+    hidden = torch.randn(160, 640, generator=generator)  # [rows, dim]: 102 400 values
+    weight = torch.randn(640, generator=generator)
+    out = ops.rms_norm(hidden, weight, 1e-6)
+    for row in (0, 79, 80, 159):
+        assert torch.equal(ops.rms_norm(hidden[row : row + 1], weight, 1e-6), out[row : row + 1])
+    qkv = torch.randn(120, 6 * 256, generator=generator)  # [tokens, (H + 2 Hkv) * D]: 120 x 5 x 256 roped values
+    positions = torch.arange(120) * 3
+    cos, sin = RotaryTable(256, 10000.0, torch.device("cpu")).tables(int(positions.max()))
+    shape = ops.QKNormRope(4, 1, 256, 1e-6)
+    norms = (torch.rand(256, generator=generator) + 0.5, torch.rand(256, generator=generator) + 0.5)
+    query, key = ops.qk_norm_rope(qkv, shape, *norms, cos, sin, positions)
+    for row in (0, 59, 60, 119):
+        alone_query, alone_key = ops.qk_norm_rope(qkv[row : row + 1], shape, *norms, cos, sin, positions[row : row + 1])
+        assert torch.equal(alone_query[0], query[row]) and torch.equal(alone_key[0], key[row])
+
+
+def test_kernel_build_id_names_the_loaded_build_not_the_source_on_disk(monkeypatch):
+    loaded = ops.kernel_build_id()
+    monkeypatch.setattr(ops, "_build_dir", lambda: ("/elsewhere", "0123456789abcdef"))  # the source was edited
+    assert ops.kernel_build_id() == loaded

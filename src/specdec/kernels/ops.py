@@ -117,9 +117,12 @@ def kernel_isa() -> str:
 
 
 def kernel_build_id() -> str:
-    """Which kernels run: 'q8-<hash of source, torch version and flags>' when the extension is loaded, else
-    'torch' (fallback). Measured cost profiles are keyed by it, so a changed kernel is profiled again."""
-    return f"q8-{_build_dir()[1]}" if _load() is not None else "torch"
+    """Which kernels run: 'q8-<hash of source, torch version and flags>' of the extension this process loaded,
+    else 'torch' (fallback). Measured cost profiles are keyed by it, so a changed kernel is profiled again. It
+    names the loaded build, not the source on disk: a process that outlives an edit of the source must not file
+    what its old kernels measure under the new build's key."""
+    ext = _load()
+    return "torch" if ext is None else "q8-" + ext.__name__.removeprefix("specdec_q8_")
 
 
 def parallel_threads(n: int) -> int:

@@ -1130,6 +1130,18 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
 // row-wise norm and rotary embedding: each row (token, or token x head) is computed
 // on its own with a fixed operation order, so they are row invariant like the rest.
 
+// Runs rows(r0, r1) over [0, R) on the intra-op threads once the call touches at least 2^16 values (a prefill;
+// below that a decode step's few rows stay on one thread). Each row is computed alone, so the split has no
+// influence on the result.
+template <class Rows>
+void parallel_rows(int64_t R, int64_t values, const Rows& rows) {
+  if (values < (1 << 16)) {
+    rows(0, R);
+  } else {
+    at::parallel_for(0, R, 1, rows);
+  }
+}
+
 // One RMS norm row: 16 lane sums of squares (lane l takes elements l, l+16, ...),
 // the fixed hsum16 tree, then out = (x * rsqrt(mean + eps)) * w.
 inline void rms_norm_row(const float* x, const float* w, int64_t D, float eps, float* out) {
@@ -1161,7 +1173,9 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, dou
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  for (int64_t r = 0; r < R; ++r) rms_norm_row(xp + r * D, wp, D, e, op + r * D);
+  parallel_rows(R, R * D, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * D, wp, D, e, op + r * D);
+  });
   return out;
 }
 
@@ -1195,21 +1209,23 @@ std::vector<torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, int64_t H, int
   const float* src = qkv.data_ptr<float>();
   const int64_t lds = qkv.stride(0);
   const float e = static_cast<float>(eps);
-  std::vector<float> normed(D);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* c = cos.data_ptr<float>() + pos[t] * D;
-    const float* s = sin.data_ptr<float>() + pos[t] * D;
-    for (int64_t h = 0; h < H + Hkv; ++h) {
-      const float* x = src + t * lds + h * D;
-      const bool is_q = h < H;
-      if (qn.defined()) {
-        rms_norm_row(x, (is_q ? qn : kn).data_ptr<float>(), D, e, normed.data());
-        x = normed.data();
+  parallel_rows(T, T * (H + Hkv) * D, [&](int64_t t0, int64_t t1) {
+    std::vector<float> normed(D);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cos.data_ptr<float>() + pos[t] * D;
+      const float* s = sin.data_ptr<float>() + pos[t] * D;
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        const float* x = src + t * lds + h * D;
+        const bool is_q = h < H;
+        if (qn.defined()) {
+          rms_norm_row(x, (is_q ? qn : kn).data_ptr<float>(), D, e, normed.data());
+          x = normed.data();
+        }
+        float* out = is_q ? query.data_ptr<float>() + (t * H + h) * D : key.data_ptr<float>() + (t * Hkv + h - H) * D;
+        rope_row(x, c, s, D, out);
       }
-      float* out = is_q ? query.data_ptr<float>() + (t * H + h) * D : key.data_ptr<float>() + (t * Hkv + h - H) * D;
-      rope_row(x, c, s, D, out);
     }
-  }
+  });
   return {query, key};
 }
 
@@ -1238,11 +1254,7 @@ torch::Tensor gated_activation(const torch::Tensor& gate_up_in, const std::strin
       for (int64_t j = 0; j < I; ++j) dst[r * I + j] = gated_scalar(gate[j], gate[I + j], gelu);
     }
   };
-  if (R * I < (1 << 16)) {
-    rows(0, R);
-  } else {
-    at::parallel_for(0, R, 1, rows);
-  }
+  parallel_rows(R, R * I, rows);
   (void)avx;
   return out;
 }
