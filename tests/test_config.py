@@ -55,7 +55,7 @@ def test_speculative_defaults_and_round_trip() -> None:
         ({"method": "ngram", "num_speculative_tokens": 4, "lookup_max": 3},
          "unknown speculative config key\\(s\\): 'lookup_max'; valid keys: method, num_speculative_tokens, model, "
          "prompt_lookup_max, prompt_lookup_min, suffix_max_depth, suffix_min_token_prob, suffix_cache_requests, "
-         "num_draft_branches, draft_tree_min_prob, draft_prefix_cache_tokens"),
+         "num_draft_branches, draft_tree_min_prob, draft_prefix_cache_tokens, draft_vocab_size"),
         ({"method": "draft_model", "num_speculative_tokens": 4},
          "speculative method 'draft_model' needs 'model'"),
         ({"method": "ngram", "num_speculative_tokens": 4, "model": "tiny"},
@@ -73,6 +73,10 @@ def test_speculative_defaults_and_round_trip() -> None:
          r"draft_tree_min_prob must be in \[0, 1\], got -0.1"),
         ({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 4, "draft_prefix_cache_tokens": -1},
          "draft_prefix_cache_tokens must be >= 0, got -1"),
+        ({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 4, "draft_vocab_size": 0},
+         "draft_vocab_size must be >= 1, got 0"),
+        ({"method": "ngram", "num_speculative_tokens": 4, "draft_vocab_size": 1000},
+         "draft_vocab_size applies to method 'draft_model' only, not 'ngram'"),
         ({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 4, "draft_prefix_cache_tokens": 1.5},
          "draft_prefix_cache_tokens must be an int, got float"),
         ({"method": "ngram"}, "missing required key\\(s\\): num_speculative_tokens"),

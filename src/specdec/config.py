@@ -117,6 +117,11 @@ class SpeculativeConfig:
       draft_prefix_cache_tokens: draft_model only: how many tokens of earlier requests' prompts the draft
           model's prefix store keeps (>= 0, default 4096; 0 disables it). A new request copies the draft
           cache entries of the longest shared prefix (at least 16 tokens) instead of prefilling them.
+      draft_vocab_size: draft_model only: the draft model drafts over its lm_head rows of token ids
+          0 .. draft_vocab_size - 1 (byte-level BPE numbers tokens in merge order, frequent ones first) and
+          its end-of-sequence tokens, instead of the whole vocabulary (FR-Spec's reduced draft head): each
+          draft forward reads fewer weights. Drafts stay verified by the target, so the output is unchanged;
+          a sampled draft's distribution is the reduced one. None (default) = the whole vocabulary.
 
     Our keys (suffix drafter only):
       suffix_max_depth: depth limit of the suffix trie = longest context + draft it can match (>= 1).
@@ -138,6 +143,7 @@ class SpeculativeConfig:
     num_draft_branches: int = 1
     draft_tree_min_prob: float = 0.05
     draft_prefix_cache_tokens: int = 4096  # Qwen-0.5B: 24.6 KB of keys and values per token
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_method_and_model()
@@ -167,6 +173,10 @@ class SpeculativeConfig:
         if not 0 <= self.draft_tree_min_prob <= 1:
             raise ValueError(f"{owner}.draft_tree_min_prob must be in [0, 1], got {self.draft_tree_min_prob}")
         _require_at_least(owner, "draft_prefix_cache_tokens", self.draft_prefix_cache_tokens, 0)
+        if self.draft_vocab_size is not None:
+            if self.method != "draft_model":
+                raise ValueError(f"{owner}.draft_vocab_size applies to method 'draft_model' only, not {self.method!r}")
+            _require_at_least(owner, "draft_vocab_size", self.draft_vocab_size, 1)
 
     def _validate_method_and_model(self) -> None:
         if not isinstance(self.method, str):

@@ -107,3 +107,37 @@ def test_prefix_store_skips_the_shared_prefill_and_drafts_do_not_change(make_tin
     assert [d.token_ids for d in stored] == [d.token_ids for d in fresh]
     if temperature:
         assert all(torch.equal(a.draft_probs, b.draft_probs) for a, b in zip(stored, fresh))
+
+
+# ---- a reduced draft vocabulary (draft_vocab_size) ------------------------------------------------------
+@pytest.mark.parametrize("weight_format", ["q8", "fp32"])
+def test_reduced_vocabulary_drafts_the_best_kept_token_with_the_same_logits(make_tiny_model, weight_format):
+    model = make_tiny_model("qwen2", weight_format=weight_format)
+    kept = [3, 17, 42, 99, 120, 250, 251, 299]
+    drafter = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, draft_token_ids=reversed(kept))
+    assert drafter.draft_token_ids.tolist() == kept
+    drafter.add_request("r", PROMPT, SamplingParams(), None)
+    (draft,) = drafter.propose(["r"], [3])
+    tokens = list(PROMPT)
+    for token_id in draft.token_ids:  # each draft token: the kept token the full output layer ranks highest
+        cache = KVCache(model.config, 1, 64)
+        full = model.forward(ForwardBatch.build([tokens], [0], [0], all_logits=False), cache)[0]  # [vocab]
+        assert token_id == kept[int(full[kept].argmax())]
+        tokens.append(token_id)
+    # the draft head is the output layer's kept rows: bit for bit with our int8 kernel (each output is computed
+    # alone), to rounding with fp32's F.linear (whose blocking depends on the width)
+    normed = torch.randn(5, model.config.hidden_size)
+    reduced, full = model.logits(normed, drafter.draft_head), model.logits(normed)[:, kept]
+    if weight_format == "q8":
+        assert torch.equal(reduced, full)
+    else:
+        torch.testing.assert_close(reduced, full)
+    assert drafter.weight_nbytes < model.weight_nbytes
+
+
+def test_reduced_vocabulary_rejects_ids_outside_the_vocabulary(make_tiny_model):
+    model = make_tiny_model("qwen2")
+    with pytest.raises(ValueError, match=r"draft token ids must be a non-empty set of ids in \[0, 300\)"):
+        DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, draft_token_ids=[5, 300])
+    with pytest.raises(ValueError, match="non-empty"):
+        DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, draft_token_ids=[])

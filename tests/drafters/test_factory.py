@@ -52,3 +52,14 @@ def test_draft_model_larger_than_target_warns(make_tiny_model, tiny_tokenizer, m
                         lambda name, fmt, device: (make_tiny_model("llama", seed=1, num_layers=6), tiny_tokenizer))
     with pytest.warns(UserWarning, match="is not smaller than the target"):
         build({"method": "draft_model", "model": "big", "num_speculative_tokens": 3}, make_tiny_model("llama"), tiny_tokenizer)
+
+
+def test_draft_vocab_size_keeps_the_first_ids_and_the_end_tokens(make_tiny_model, tiny_tokenizer, monkeypatch):
+    target = make_tiny_model("llama")
+    monkeypatch.setattr("specdec.runtime.load_model",
+                        lambda name, fmt, device: (make_tiny_model("llama", seed=1, num_layers=1), tiny_tokenizer))
+    config = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3, "draft_vocab_size": 100}
+    drafter = build(config, target, tiny_tokenizer)
+    assert drafter.draft_token_ids.tolist() == sorted({*range(100), *tiny_tokenizer.eos_token_ids})
+    with pytest.raises(ValueError, match=r"draft_vocab_size 301 exceeds the draft model's vocabulary \(300\)"):
+        build({**config, "draft_vocab_size": 301}, target, tiny_tokenizer)

@@ -20,7 +20,7 @@ from specdec.verify import rejection
 from specdec.verify.sampling import logits_to_probs
 
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
-METHODS = ("ngram", "suffix", "draft_model", "draft_model_same")
+METHODS = ("ngram", "suffix", "draft_model", "draft_model_same", "draft_model_reduced")
 # mixed lengths, with repetition so that n-gram and suffix drafts get accepted
 PROMPTS = [
     [5, 17, 42, 5, 17, 42, 5, 17],
@@ -36,7 +36,10 @@ def make_drafter(method, make_tiny_model, architecture, k_max_len=256, **overrid
     if method == "suffix":
         return SuffixDrafter(max_depth=16, min_token_prob=0.05, cache_requests=8)
     draft_seed = 0 if method == "draft_model_same" else 1  # the target itself as draft: everything accepted
-    return DraftModelDrafter(make_tiny_model(architecture, seed=draft_seed, **overrides), max_num_seqs=4, max_model_len=k_max_len)
+    # reduced: the draft vocabulary is half the tokens, so some target tokens can never be drafted
+    draft_token_ids = range(0, 300, 2) if method == "draft_model_reduced" else None
+    return DraftModelDrafter(make_tiny_model(architecture, seed=draft_seed, **overrides), max_num_seqs=4,
+                             max_model_len=k_max_len, draft_token_ids=draft_token_ids)
 
 
 def run(model, tokenizer, prompts, params, drafter=None, k=4, max_num_seqs=4, speculative=True, draft_policy=None):
@@ -148,18 +151,25 @@ def small_vocab_models(make_tiny_model):
     return target, draft, exact_distribution_of_tokens_2_and_3(target, SamplingParams(**CHI_PARAMS))
 
 
-@pytest.mark.parametrize("drafter_kind", ["draft_model", "point_mass"])
+def chi_square_drafter(kind, draft):
+    if kind == "point_mass":
+        return NgramDrafter(2, 1)
+    # reduced: the draft distribution covers 5 of the 8 tokens (zero elsewhere)
+    return DraftModelDrafter(draft, 32, 64, draft_token_ids=[0, 2, 3, 5, 7] if kind == "draft_model_reduced" else None)
+
+
+@pytest.mark.parametrize("drafter_kind", ["draft_model", "draft_model_reduced", "point_mass"])
 def test_speculative_sampling_matches_target_distribution(small_vocab_models, tiny_tokenizer, drafter_kind):
     target, draft, joint = small_vocab_models
-    drafter = DraftModelDrafter(draft, 32, 64) if drafter_kind == "draft_model" else NgramDrafter(2, 1)
+    drafter = chi_square_drafter(drafter_kind, draft)
     assert chi_square_p_value(sampled_counts(target, tiny_tokenizer, drafter), joint) > 1e-3
 
 
-@pytest.mark.parametrize("drafter_kind", ["draft_model", "point_mass"])
+@pytest.mark.parametrize("drafter_kind", ["draft_model", "draft_model_reduced", "point_mass"])
 def test_chi_square_detects_a_wrong_residual(small_vocab_models, tiny_tokenizer, monkeypatch, drafter_kind):
     target, draft, joint = small_vocab_models
     monkeypatch.setattr(rejection, "residual_probs", lambda target_probs, draft_probs: target_probs)
-    drafter = DraftModelDrafter(draft, 32, 64) if drafter_kind == "draft_model" else NgramDrafter(2, 1)
+    drafter = chi_square_drafter(drafter_kind, draft)
     assert chi_square_p_value(sampled_counts(target, tiny_tokenizer, drafter), joint) < 1e-6
 
 

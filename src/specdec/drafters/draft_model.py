@@ -16,6 +16,10 @@ the committed prefix, the in-place nodes of branch 0 it shares, the scratch node
 forked from, and its own, so its tokens are those of the same path decoded alone. Sampled requests draft
 chains.
 
+With draft_token_ids (`draft_vocab_size`), the draft model computes only those rows of its output layer (the
+first ids of a byte-level BPE vocabulary are its most frequent merges, plus the end-of-sequence tokens) and
+drafts among them: Qwen2.5-0.5B's tied output layer is 136 M of its 494 M weights, read by every draft forward.
+
 A request's first draft prefills its prompt in the draft model. With `prefix_cache_tokens` > 0 the draft
 cache entries of earlier requests' prompts are kept (`PrefixStore`), and a new request copies the longest
 shared prefix (a chat template's system turn, a repeated document) instead of recomputing it; the copied
@@ -33,6 +37,7 @@ from specdec.cache.prefix_store import PrefixStore, common_prefix_length
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
 from specdec.engine.batch import ForwardBatch
+from specdec.models.layers import Linear
 from specdec.models.transformer import Transformer
 from specdec.verify.sampling import logits_to_probs, sample
 
@@ -59,12 +64,24 @@ class _Branch:
 
 class DraftModelDrafter(Drafter):
     def __init__(self, model: Transformer, max_num_seqs: int, max_model_len: int, num_branches: int = 1,
-                 min_branch_prob: float = 0.05, prefix_cache_tokens: int = 4096) -> None:
+                 min_branch_prob: float = 0.05, prefix_cache_tokens: int = 4096,
+                 draft_token_ids: Sequence[int] | None = None) -> None:
+        """draft_token_ids: the tokens the draft model may propose (a reduced draft vocabulary: only these rows of
+        its output layer are computed); None = all."""
         if num_branches < 1:
             raise ValueError(f"num_branches must be >= 1, got {num_branches}")
         if not 0.0 <= min_branch_prob <= 1.0:
             raise ValueError(f"min_branch_prob must be in [0, 1], got {min_branch_prob}")
         self.model = model
+        self.draft_token_ids: torch.Tensor | None = None  # [draft vocab] int64, ascending
+        self.draft_head: Linear | None = None  # the output layer's rows of draft_token_ids
+        if draft_token_ids is not None:
+            ids = sorted(set(int(token_id) for token_id in draft_token_ids))
+            if not ids or ids[0] < 0 or ids[-1] >= model.config.vocab_size:
+                raise ValueError(f"draft token ids must be a non-empty set of ids in [0, {model.config.vocab_size}), "
+                                 f"got {len(ids)} ids from {ids[:1]} to {ids[-1:]}")
+            self.draft_token_ids = torch.tensor(ids, dtype=torch.long, device=model.device)
+            self.draft_head = model.lm_head.rows(self.draft_token_ids)
         self.num_branches = num_branches
         self.min_branch_prob = min_branch_prob
         self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device)
@@ -85,6 +102,23 @@ class DraftModelDrafter(Drafter):
 
     def remove_request(self, request_id: str) -> None:
         self.cache.free(self.states.pop(request_id).slot)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Weight bytes one draft forward reads (the output layer's draft rows only, with a reduced vocabulary)."""
+        if self.draft_head is None:
+            return self.model.weight_nbytes
+        return self.model.weight_nbytes - self.model.lm_head.nbytes() + self.draft_head.nbytes()
+
+    def _logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """The draft forward: logits [logit rows, vocab]; with a reduced vocabulary -inf outside it (so argmax,
+        softmax, top-k and top-p see only the draft tokens; their order, and so the argmax's ties, is kept)."""
+        if self.draft_head is None:
+            return self.model.forward(batch, self.cache)
+        reduced = self.model.logits(self.model.forward_normed(batch, self.cache), self.draft_head)  # [rows, draft vocab]
+        logits = reduced.new_full((reduced.shape[0], self.model.config.vocab_size), float("-inf"))  # [rows, vocab]
+        logits[:, self.draft_token_ids] = reduced
+        return logits
 
     def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
         states = [self.states[request_id] for request_id in request_ids]
@@ -177,7 +211,7 @@ class DraftModelDrafter(Drafter):
         rows = [_branch_rows(len(state.token_ids), request_branches, k)
                 for state, request_branches, k in zip(states, branches, max_tokens)]
         batch = ForwardBatch.from_rows(*zip(*rows), [state.slot for state in states], device=self.model.device)
-        logits = self.model.forward(batch, self.cache)  # [rows, vocab]
+        logits = self._logits(batch)  # [rows, vocab]
         for state, request_branches in zip(states, branches):
             state.cached_token_ids.append(request_branches[0].token_ids[-1])  # branch 0 sits in place
         return batch.split_logits(logits)
@@ -190,7 +224,7 @@ class DraftModelDrafter(Drafter):
             all_logits=False,
             device=self.model.device,
         )
-        logits = self.model.forward(batch, self.cache)  # [len(states), vocab]
+        logits = self._logits(batch)  # [len(states), vocab]
         for state, tokens in zip(states, new_tokens):
             state.cached_token_ids.extend(tokens)
         return logits

@@ -40,8 +40,14 @@ def _build_draft_model(config, target: Transformer, tokenizer: Tokenizer, weight
             f"the target ({target.config.num_parameters / 1e6:.0f}M): speculation will likely be slower",
             stacklevel=2,
         )
+    draft_token_ids = None
+    if config.draft_vocab_size is not None:
+        if config.draft_vocab_size > draft.config.vocab_size:
+            raise ValueError(f"draft_vocab_size {config.draft_vocab_size} exceeds the draft model's vocabulary "
+                             f"({draft.config.vocab_size})")
+        draft_token_ids = [*range(config.draft_vocab_size), *tokenizer.eos_token_ids]
     return DraftModelDrafter(draft, max_num_seqs, max_model_len, config.num_draft_branches,
-                             config.draft_tree_min_prob, config.draft_prefix_cache_tokens)
+                             config.draft_tree_min_prob, config.draft_prefix_cache_tokens, draft_token_ids)
 
 
 def check_same_vocabulary(target_tokenizer: Tokenizer, draft_tokenizer: Tokenizer, target_vocab: int, draft_vocab: int) -> None:

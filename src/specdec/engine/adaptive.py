@@ -187,7 +187,7 @@ def _cached_cost_model(target, drafter, model_name: str | None, weight_format: s
     drafter_cost = DrafterCost()  # ngram / suffix lookups: measured ≈ 0 next to a forward
     if isinstance(drafter, DraftModelDrafter) and target is not None:
         # decode is memory-bound: the draft's T(1) ≈ the target's T(1) scaled by the weight bytes streamed
-        per_token = t1 * drafter.model.weight_nbytes / max(1, target.weight_nbytes)
+        per_token = t1 * drafter.weight_nbytes / max(1, target.weight_nbytes)
         drafter_cost = DrafterCost(per_token_s=per_token, per_step_s=per_token, batched=True)
     elif isinstance(drafter, HeadDrafter) and target is not None:
         # the same bandwidth estimate for the head's weights; EAGLE runs once per draft position, Medusa once

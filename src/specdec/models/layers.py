@@ -68,6 +68,16 @@ class Linear:
             return q8_linear(inputs, self.quantized, self.bias)
         return F.linear(inputs, self.dense, self.bias)
 
+    def rows(self, row_ids: torch.Tensor) -> "Linear":
+        """The layer restricted to some output rows, bit for bit the same weights: row_ids [n] -> [rows n, in]."""
+        row_ids = row_ids.to(dtype=torch.long)
+        bias = None if self.bias is None else self.bias[row_ids]
+        if self.quantized is not None:
+            weight = self.quantized
+            rows = QuantizedWeight.from_int8(weight.int8(row_ids), weight.scale.index_select(0, row_ids.to(weight.scale.device)))
+            return Linear(dense=None, quantized=rows, bias=bias)
+        return Linear(dense=self.dense[row_ids].contiguous(), quantized=None, bias=bias)
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the weight as an embedding table: token_ids [n] -> [n, in] fp32."""
         if self.quantized is not None:

@@ -128,8 +128,14 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Writes the batch's keys/values into the cache and returns logits [logit rows, vocab] fp32."""
+        return self.logits(self.forward_normed(batch, cache))
+
+    @torch.inference_mode()
+    def forward_normed(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """As forward, but stops before the output layer: the final-normed hidden state of the logit rows
+        [logit rows, hidden], for a caller with its own rows of the output layer (a reduced draft vocabulary)."""
         hidden = self._trunk(batch, cache)  # [rows, hidden]
-        return self.logits(rms_norm(hidden[batch.logits_rows], self.norm, self.config.rms_norm_eps))
+        return rms_norm(hidden[batch.logits_rows], self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
@@ -137,9 +143,10 @@ class Transformer:
         hidden = rms_norm(self._trunk(batch, cache), self.norm, self.config.rms_norm_eps)  # [rows, hidden]
         return ForwardOutput(logits=self.logits(hidden[batch.logits_rows]), hidden=hidden)
 
-    def logits(self, normed_hidden: torch.Tensor) -> torch.Tensor:
-        """normed_hidden [rows, hidden] (after the final norm) -> logits [rows, vocab] fp32."""
-        logits = self.lm_head(normed_hidden)
+    def logits(self, normed_hidden: torch.Tensor, lm_head: Linear | None = None) -> torch.Tensor:
+        """normed_hidden [rows, hidden] (after the final norm) -> logits [rows, vocab] fp32; lm_head: some rows of
+        the output layer instead of all of it (logits [rows, its rows])."""
+        logits = (lm_head or self.lm_head)(normed_hidden)
         if self.config.final_logit_softcap:
             cap = self.config.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
