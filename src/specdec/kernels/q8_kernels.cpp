@@ -156,6 +156,18 @@ struct Layout {
   }
 };
 
+// Runs rows(r0, r1) over [0, R) on the intra-op threads once the call touches at least 2^16 values (a prefill;
+// below that a decode step's few rows stay on one thread). Each row is computed alone, so the split has no
+// influence on the result.
+template <class Rows>
+void parallel_rows(int64_t R, int64_t values, const Rows& rows) {
+  if (values < (1 << 16)) {
+    rows(0, R);
+  } else {
+    at::parallel_for(0, R, 1, rows);
+  }
+}
+
 // Quantizes the nb blocks of 32 values starting at block b0 of one activation row xr (K values, zero beyond
 // K): block l's values in natural order go to q[32 l .. 32 l + 32), its scale d = amax / 127 to d[l] and the
 // sum of its int8 values to sum[l] (round to nearest even, clamp to +-127). d and sum have room for 16.
@@ -923,12 +935,7 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
 #ifdef SPECDEC_X86
   if (avx) quantize_unit = quantize_unit_avx;
 #endif
-  auto quantize = [&](int64_t a, int64_t b) { quantize_rows(quantize_unit, xp, K, L, a, b, xq, corr, xs); };
-  if (M * K < (1 << 16)) {
-    quantize(0, M);
-  } else {
-    at::parallel_for(0, M, 1, quantize);
-  }
+  parallel_rows(M, M * K, [&](int64_t a, int64_t b) { quantize_rows(quantize_unit, xp, K, L, a, b, xq, corr, xs); });
 
   const uint8_t* W = qweight.data_ptr<uint8_t>();
   const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
@@ -1129,18 +1136,6 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
 // --------------------------------------------------------------------------
 // row-wise norm and rotary embedding: each row (token, or token x head) is computed
 // on its own with a fixed operation order, so they are row invariant like the rest.
-
-// Runs rows(r0, r1) over [0, R) on the intra-op threads once the call touches at least 2^16 values (a prefill;
-// below that a decode step's few rows stay on one thread). Each row is computed alone, so the split has no
-// influence on the result.
-template <class Rows>
-void parallel_rows(int64_t R, int64_t values, const Rows& rows) {
-  if (values < (1 << 16)) {
-    rows(0, R);
-  } else {
-    at::parallel_for(0, R, 1, rows);
-  }
-}
 
 // One RMS norm row: 16 lane sums of squares (lane l takes elements l, l+16, ...),
 // the fixed hsum16 tree, then out = (x * rsqrt(mean + eps)) * w.
