@@ -1,9 +1,11 @@
+from pathlib import Path
+
 import pytest
 import torch
 
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
-from tiny_models import tiny_config, tiny_tensors, write_tiny_tokenizer
+from tiny_models import tiny_config, tiny_tensors, write_tiny_qwen2_dir, write_tiny_tokenizer
 
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
@@ -11,6 +13,13 @@ ARCHITECTURES = ("llama", "qwen2", "gemma3")
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tmp_path_factory) -> Tokenizer:
     return Tokenizer.from_hf_dir(write_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random-weight Qwen2 HF checkpoint directory, loadable by path like any model."""
+    pytest.importorskip("transformers")
+    return write_tiny_qwen2_dir(tmp_path_factory.mktemp("tiny-qwen2"))
 
 
 @pytest.fixture(scope="session")

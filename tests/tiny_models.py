@@ -69,3 +69,15 @@ def write_tiny_tokenizer(directory: Path) -> Path:
         "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
     }))
     return directory
+
+
+def write_tiny_qwen2_dir(directory: Path, num_layers: int = 2, seed: int = 0) -> Path:
+    """A random-weight Qwen2 checkpoint (config.json + model.safetensors + tokenizer.json) usable by name/path."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # test dependency
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, initializer_range=0.3)
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    return write_tiny_tokenizer(directory)

@@ -18,6 +18,12 @@ COLOURS = {  # ANSI colours for --show-drafts
 RESET = "\033[0m"
 
 
+def _add_format_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "float32"],
+                        help="KV cache: auto = float16 with q8 weights, float32 with fp32 weights")
+
+
 def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     from specdec.models.catalog import DEFAULT_MODEL
 
@@ -36,7 +42,7 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-plain", action="store_true", help="also decode without speculation and print the speed-up")
     parser.add_argument("--draft-policy", default="adaptive", choices=DRAFT_POLICIES,
                         help="adaptive: k per step from acceptance and measured costs (<= num_speculative_tokens); fixed: always k")
-    parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
+    _add_format_args(parser)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default=None)
@@ -65,6 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     started = time.perf_counter()
     llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
+              kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.max_model_len, max_num_seqs=1, device=args.device, draft_policy=args.draft_policy)
     print(f"[loaded {args.model} in {time.perf_counter() - started:.1f} s]", file=sys.stderr)
     plain = None
@@ -146,6 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_threads(args.threads)
     extra = {} if args.max_verify_tokens is None else {"max_verify_tokens": args.max_verify_tokens}
     llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
+              kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device, **extra)
     app = create_app(llm, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                                         max_queue=args.max_queue))
@@ -165,7 +173,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 503")
     parser.add_argument("--max-verify-tokens", type=int, default=None, help="verify-token budget per step (draft policy)")
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: MODEL as given)")
-    parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
+    _add_format_args(parser)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--log-level", default="info")

@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from specdec.cache.kv_cache import kv_cache_dtype as kv_dtype
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Drafter
 from specdec.drafters.factory import build_drafter
@@ -54,12 +55,16 @@ class LLM:
         max_verify_tokens: int = 32,
         prefill_chunk: int = 512,
         draft_policy: str | DraftLengthPolicy = "adaptive",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """loaded: an already built (model, tokenizer) to share between LLMs; drafter: a ready drafter to use
         instead of building the one speculative_config names (its num_speculative_tokens still applies).
         draft_policy: "adaptive" (k per request and step from acceptance and the measured cost profile, at most
-        num_speculative_tokens), "fixed" (BatchDraftPolicy) or a DraftLengthPolicy instance."""
+        num_speculative_tokens), "fixed" (BatchDraftPolicy) or a DraftLengthPolicy instance.
+        kv_cache_dtype: the target's KV cache, "auto" (the model's default: fp16 beside q8 weights, fp32 beside
+        fp32 weights), "float16" or "float32"."""
         self.spec_config = _as_spec_config(speculative_config)
+        kv_dtype(kv_cache_dtype, torch.float32)  # an unknown name fails here, before any weights are loaded
         self.device = torch.device(device) if device else default_device()
         self.model, self.tokenizer = loaded if loaded is not None else load_model(model, weight_format, self.device)
         self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
@@ -72,7 +77,8 @@ class LLM:
         policy = build_draft_policy(draft_policy, k, max_verify_tokens, self.model, drafter,
                                     model_name=self.model.source or None, weight_format=weight_format)
         self.engine = Engine(self.model, self.tokenizer, max_num_seqs, self.max_model_len, drafter, k,
-                             prefill_chunk=prefill_chunk, max_verify_tokens=max_verify_tokens, draft_policy=policy)
+                             prefill_chunk=prefill_chunk, max_verify_tokens=max_verify_tokens, draft_policy=policy,
+                             kv_cache_dtype=kv_dtype(kv_cache_dtype, self.model.kv_cache_dtype))
 
     def encode_prompt(self, prompt: str | Sequence[int] | list[dict], chat: bool = False) -> list[int]:
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):

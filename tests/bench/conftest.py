@@ -1,29 +1,8 @@
-"""Tiny HF checkpoint directories and small Spec-Bench / HumanEval files for the bench tests."""
+"""Small Spec-Bench / HumanEval files for the bench tests (the tiny checkpoint directory is in tests/conftest.py)."""
 import json
 from pathlib import Path
 
 import pytest
-
-from tiny_models import TINY_VOCAB, write_tiny_tokenizer
-
-
-def write_tiny_qwen2_dir(directory: Path, num_layers: int = 2, seed: int = 0) -> Path:
-    """A random-weight Qwen2 checkpoint (config.json + model.safetensors + tokenizer.json) usable by name/path."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, initializer_range=0.3)
-    Qwen2ForCausalLM(config).save_pretrained(directory)
-    return write_tiny_tokenizer(directory)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    pytest.importorskip("transformers")
-    return write_tiny_qwen2_dir(tmp_path_factory.mktemp("tiny-qwen2"))
 
 
 @pytest.fixture

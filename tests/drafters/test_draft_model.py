@@ -20,7 +20,7 @@ def chain(model, prompt, k):
 
 def next_token_probs(model, tokens):
     """The draft model's next-token distribution after `tokens`, computed alone in a fresh cache."""
-    cache = KVCache(model.config, 1, 64)
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
     logits = model.forward(ForwardBatch.build([list(tokens)], [0], [0], all_logits=False), cache)  # [1, vocab]
     return torch.softmax(logits[0].float(), dim=-1), int(logits[0].argmax())
 
@@ -120,7 +120,7 @@ def test_reduced_vocabulary_drafts_the_best_kept_token_with_the_same_logits(make
     (draft,) = drafter.propose(["r"], [3])
     tokens = list(PROMPT)
     for token_id in draft.token_ids:  # each draft token: the kept token the full output layer ranks highest
-        cache = KVCache(model.config, 1, 64)
+        cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
         full = model.forward(ForwardBatch.build([tokens], [0], [0], all_logits=False), cache)[0]  # [vocab]
         assert token_id == kept[int(full[kept].argmax())]
         tokens.append(token_id)

@@ -1,4 +1,5 @@
-"""Row invariance, rollback and batching on tiny random-weight models in the default weight format (q8)."""
+"""Row invariance, rollback and batching on tiny random-weight models in the default weight format (q8), with
+the KV cache in fp16 (q8's default) and in fp32."""
 import pytest
 import torch
 
@@ -11,21 +12,26 @@ ARCHITECTURES = ("llama", "qwen2", "gemma3")
 TOKENS = [5, 17, 42, 99, 3, 250, 77, 12, 8, 130, 64, 201, 33, 7, 180, 91, 45, 2, 160, 222]  # 20 tokens
 
 
+@pytest.fixture(params=[torch.float16, torch.float32], ids=["fp16-cache", "fp32-cache"])
+def cache_dtype(request):
+    return request.param
+
+
 def forward(model, cache, token_lists, starts, slots, all_logits=True):
     return model.forward(ForwardBatch.build(token_lists, starts, slots, all_logits=all_logits), cache)
 
 
-def token_by_token_logits(model, tokens):
-    cache = KVCache(model.config, 1, 64)
+def token_by_token_logits(model, tokens, cache_dtype):
+    cache = KVCache(model.config, 1, 64, dtype=cache_dtype)
     return torch.cat([forward(model, cache, [[token]], [i], [0]) for i, token in enumerate(tokens)])  # [len, vocab]
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("block", [2, 3, 5, 8, 16])
-def test_block_logits_bitwise_equal_token_by_token(make_tiny_model, architecture, block):
+def test_block_logits_bitwise_equal_token_by_token(make_tiny_model, architecture, block, cache_dtype):
     model = make_tiny_model(architecture)
-    reference = token_by_token_logits(model, TOKENS)
-    cache = KVCache(model.config, 1, 64)
+    reference = token_by_token_logits(model, TOKENS, cache_dtype)
+    cache = KVCache(model.config, 1, 64, dtype=cache_dtype)
     prefix = len(TOKENS) - block
     forward(model, cache, [TOKENS[:prefix]], [0], [0], all_logits=False)
     block_logits = forward(model, cache, [TOKENS[prefix:]], [prefix], [0])
@@ -33,11 +39,11 @@ def test_block_logits_bitwise_equal_token_by_token(make_tiny_model, architecture
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_logits_bitwise_equal_beside_other_sequences(make_tiny_model, architecture):
+def test_logits_bitwise_equal_beside_other_sequences(make_tiny_model, architecture, cache_dtype):
     model = make_tiny_model(architecture)
-    reference = token_by_token_logits(model, TOKENS)
+    reference = token_by_token_logits(model, TOKENS, cache_dtype)
     other = [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12, 13]
-    cache = KVCache(model.config, 3, 64)
+    cache = KVCache(model.config, 3, 64, dtype=cache_dtype)
     forward(model, cache, [TOKENS[:12], other[:5], other], [0, 0, 0], [1, 0, 2], all_logits=False)
     # ragged verify-like batch: 4 rows of ours between 3 and 1 rows of two other sequences
     logits = forward(model, cache, [other[5:8], TOKENS[12:16], [77]], [5, 12, 12], [0, 1, 2])
@@ -45,22 +51,22 @@ def test_logits_bitwise_equal_beside_other_sequences(make_tiny_model, architectu
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_rollback_then_decode_equals_fresh_run(make_tiny_model, architecture):
+def test_rollback_then_decode_equals_fresh_run(make_tiny_model, architecture, cache_dtype):
     model = make_tiny_model(architecture)
-    cache = KVCache(model.config, 1, 64)
+    cache = KVCache(model.config, 1, 64, dtype=cache_dtype)
     forward(model, cache, [TOKENS[:10]], [0], [0], all_logits=False)
     forward(model, cache, [[1, 2, 3, 4, 5, 6]], [10], [0])  # 6 tokens that get rejected
     # roll back to length 10 (nothing to do but reuse positions) and decode other tokens
     rolled_back = forward(model, cache, [TOKENS[10:14]], [10], [0])
-    assert torch.equal(rolled_back, token_by_token_logits(model, TOKENS[:14])[10:])
+    assert torch.equal(rolled_back, token_by_token_logits(model, TOKENS[:14], cache_dtype)[10:])
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_sliding_window_and_long_prefill_chunks_are_exact(make_tiny_model, architecture):
+def test_sliding_window_and_long_prefill_chunks_are_exact(make_tiny_model, architecture, cache_dtype):
     model = make_tiny_model(architecture)
     tokens = (TOKENS * 3)[:50]
-    reference = token_by_token_logits(model, tokens)
-    cache = KVCache(model.config, 1, 64)
+    reference = token_by_token_logits(model, tokens, cache_dtype)
+    cache = KVCache(model.config, 1, 64, dtype=cache_dtype)
     chunks = [forward(model, cache, [tokens[i : i + 7]], [i], [0]) for i in range(0, 50, 7)]
     assert torch.equal(torch.cat(chunks), reference)
 

@@ -104,7 +104,7 @@ CHI_SAMPLES = 4000
 
 
 def next_probs(model, tokens, params):
-    cache = KVCache(model.config, 1, 64)
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
     logits = model.forward(ForwardBatch.build([tokens], [0], [0], all_logits=False), cache)
     return logits_to_probs(logits, params)[0].double()  # [vocab]
 

@@ -20,13 +20,13 @@ def tree_parents(tree):
 
 def chain_logits(model, tokens, start):
     """Prefill tokens[:start] alone, then all rows of tokens[start:] as one chain block."""
-    cache = KVCache(model.config, 1, 64)
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
     model.forward(ForwardBatch.build([tokens[:start]], [0], [0], all_logits=False), cache)
     return model.forward(ForwardBatch.build([tokens[start:]], [start], [0], all_logits=True), cache)
 
 
 def prefilled(model, num_slots=2):
-    cache = KVCache(model.config, num_slots, 64)
+    cache = KVCache(model.config, num_slots, 64, dtype=model.kv_cache_dtype)
     model.forward(ForwardBatch.build([PREFIX[:-1], OTHER], [0, 0], [0, 1], all_logits=False), cache)
     return cache
 

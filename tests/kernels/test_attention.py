@@ -156,3 +156,32 @@ def test_shared_kv_rows_bitwise(hq, hkv, d, window, threads):
                 ops._set_force_scalar(False)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("hq,hkv,d", CONFIGS + [(4, 2, 24)])  # D = 24 takes the scalar path
+@pytest.mark.parametrize("force_scalar", [False, True])
+def test_fp16_cache_gives_bitwise_the_fp32_result_of_its_values(hq, hkv, d, force_scalar):
+    """An fp16 cache is read as exact fp32 values: the result equals the fp32 kernel on those values, bit for
+    bit, on both paths (so everything proven for fp32 caches -- row, thread and tree invariance -- carries over),
+    and it stays row invariant in a verify block beside other slots."""
+    if force_scalar and ops.kernel_isa() != "avx512vnni":
+        pytest.skip("the scalar path is the only path here; covered by force_scalar=False")
+    q, kc, vc, slots, ks, ke, scale = _verify_block(hq, hkv, d, window=64)
+    kc16, vc16 = kc.half(), vc.half()
+    ops._set_force_scalar(force_scalar)
+    try:
+        full = ops.attention(q, kc16, vc16, slots, ks, ke, scale)
+        assert torch.equal(full, ops.attention(q, kc16.float(), vc16.float(), slots, ks, ke, scale))
+        for i in range(q.shape[0]):
+            sl = slice(i, i + 1)
+            assert torch.equal(ops.attention(q[sl], kc16, vc16, slots[sl], ks[sl], ke[sl], scale), full[sl]), f"row {i}"
+    finally:
+        ops._set_force_scalar(False)
+    torch.testing.assert_close(full, _reference(q, kc16.float(), vc16.float(), slots, ks, ke, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops._attention_torch(q, kc16, vc16, slots, ks, ke, scale), full, atol=1e-5, rtol=1e-5)
+
+
+def test_caches_of_different_dtypes_are_rejected():
+    q, kc, vc, slots, ks, ke, scale = _case(4, 1, 256)
+    with pytest.raises(RuntimeError, match="k_cache is .*Float.* but v_cache is .*Half"):
+        ops.attention(q, kc, vc.half(), slots, ks, ke, scale)

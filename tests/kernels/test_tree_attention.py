@@ -100,3 +100,12 @@ def test_extra_key_out_of_bounds_is_rejected():
     extra[0, 0] = kc.shape[2]
     with pytest.raises(RuntimeError, match="extra key position out of bounds"):
         ops.attention(q, kc, vc, slots, ks, ke, scale, extra)
+
+
+@pytest.mark.skipif(not ops.kernels_available(), reason="compiled kernels unavailable")
+@pytest.mark.parametrize("hq,hkv,d", CONFIGS)
+def test_tree_rows_on_an_fp16_cache_equal_chains(isa, hq, hkv, d):
+    q, kc, vc, slots, ks, ke, scale, extra = _tree_case(hq, hkv, d, 40)
+    kc16, vc16 = kc.half(), vc.half()
+    tree = ops.attention(q, kc16, vc16, slots, ks, ke, scale, extra)
+    assert torch.equal(tree, _chain_reference(q, kc16.float(), vc16.float(), slots, 40, scale))

@@ -54,7 +54,7 @@ def test_row_invariance_token_block_and_batch(loaded_models, name):
     model, tokenizer = loaded_models(name)
     tokens = tokenizer.encode(TEXT)[:24]
     other = tokenizer.encode("A different sequence that shares the batch.")
-    cache = KVCache(model.config, 3, 64)
+    cache = KVCache(model.config, 3, 64, dtype=model.kv_cache_dtype)  # the default: fp16 beside q8 weights
     alone = torch.cat([logits_of(model, cache, [[t]], [i], [0]) for i, t in enumerate(tokens)])  # [24, vocab]
     for block in (2, 5, 8, 16):
         prefix = len(tokens) - block

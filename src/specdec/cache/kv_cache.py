@@ -7,6 +7,10 @@ next write at those positions (attention never reads past a query's own position
 
 Token trees write their nodes at scratch positions after the sequence's last token; after verification
 the accepted path is gather-copied into consecutive positions (``compact``).
+
+Entries are fp32 or fp16 (``dtype``; a model's default is ``Transformer.kv_cache_dtype``). A write rounds the
+keys/values to the cache's dtype; attention reads them back as exact fp32 values, so every path that reads a
+position (plain decoding, a verify block, a tree, another slot's batch) sees the same numbers.
 """
 from __future__ import annotations
 
@@ -15,21 +19,37 @@ import torch
 from specdec.models.config import ModelConfig
 
 
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def kv_cache_dtype(name: str, default: torch.dtype) -> torch.dtype:
+    """The cache dtype a `kv_cache_dtype` option names: "auto" (= default, the model's own), "float32", "float16"."""
+    if name == "auto":
+        return default
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of auto, {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
+
+
 class KVCache:
-    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
         if num_slots < 1 or max_len < 1:
             raise ValueError(f"KV cache needs num_slots >= 1 and max_len >= 1, got {num_slots}, {max_len}")
+        if dtype not in KV_CACHE_DTYPES.values():
+            raise ValueError(f"KV cache dtype must be torch.float32 or torch.float16, got {dtype}")
         self.num_slots = num_slots
         self.max_len = max_len
+        self.dtype = dtype
         shape = (num_slots, config.num_kv_heads, max_len, config.head_dim)
-        self.keys = [torch.zeros(shape, device=device) for _ in range(config.num_layers)]  # each [slots, kv_heads, max_len, head_dim]
-        self.values = [torch.zeros(shape, device=device) for _ in range(config.num_layers)]
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]  # each [slots, kv_heads, max_len, head_dim]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self._free_slots = list(range(num_slots - 1, -1, -1))
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """slots, positions [tokens]; keys, values [tokens, kv_heads, head_dim]."""
-        self.keys[layer][slots, :, positions] = keys
-        self.values[layer][slots, :, positions] = values
+        """slots, positions [tokens]; keys, values [tokens, kv_heads, head_dim] fp32 (rounded to the cache dtype)."""
+        self.keys[layer][slots, :, positions] = keys.to(self.dtype)
+        self.values[layer][slots, :, positions] = values.to(self.dtype)
 
     def compact(self, slot: int, src_positions: list[int], dst_positions: list[int]) -> None:
         """Copies the keys/values at src_positions to dst_positions of one slot, in every layer.

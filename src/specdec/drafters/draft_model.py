@@ -84,7 +84,7 @@ class DraftModelDrafter(Drafter):
             self.draft_head = model.lm_head.rows(self.draft_token_ids)
         self.num_branches = num_branches
         self.min_branch_prob = min_branch_prob
-        self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device)
+        self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device, dtype=model.kv_cache_dtype)
         self.prefixes = PrefixStore(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.reused_prefix_tokens = 0  # draft-cache positions copied from the prefix store instead of computed
         self.states: dict[str, _DraftState] = {}

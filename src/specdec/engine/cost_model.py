@@ -247,7 +247,7 @@ def measure_forward_costs(model, max_rows: int = MAX_PROFILE_ROWS, context: int 
     """
     from specdec.cache.kv_cache import KVCache
 
-    cache = KVCache(model.config, 1, context + max_rows + 1, model.device)
+    cache = KVCache(model.config, 1, context + max_rows + 1, model.device, dtype=model.kv_cache_dtype)
     return ForwardCosts(monotone(forward_seconds(model, cache, 0, context, max_rows, repeats)))
 
 

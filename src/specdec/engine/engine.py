@@ -73,13 +73,16 @@ class Engine:
         prefill_chunk: int = 512,
         max_verify_tokens: int = 32,
         draft_policy: DraftLengthPolicy | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
+        """kv_cache_dtype: torch.float32 or torch.float16; None = the model's default (`Transformer.kv_cache_dtype`)."""
         if drafter is not None and num_speculative_tokens < 1:
             raise ValueError("a drafter needs num_speculative_tokens >= 1")
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device)
+        self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device,
+                             dtype=kv_cache_dtype or model.kv_cache_dtype)
         self.drafter = drafter
         self._hidden_drafter = drafter if isinstance(drafter, HiddenStateDrafter) else None
         self.draft_policy = draft_policy or BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)

@@ -361,7 +361,8 @@ def attention(
 ) -> torch.Tensor:
     """Range attention, optionally followed by a list of extra keys per row (tree attention).
 
-    q [M, Hq, D]; k_cache, v_cache [S, Hkv, L, D]; slots, key_start, key_end int32 [M];
+    q [M, Hq, D]; k_cache, v_cache [S, Hkv, L, D], both fp32 or both fp16 (read as exact fp32 values, so the
+    arithmetic is the same for both); slots, key_start, key_end int32 [M];
     extra_keys None or int32 [M, E]: cache positions, -1 = none (padding after a row's positions).
     Row m attends the logical key sequence ``key_start[m] .. key_end[m]-1`` followed by
     ``extra_keys[m, :]`` of slot ``slots[m]``; head h uses kv head ``h // (Hq // Hkv)``.  On the CPU
@@ -389,9 +390,10 @@ def _attention_torch(q, k_cache, v_cache, slots, key_start, key_end, scale, extr
     if pos.shape[1] == 0 or not bool(valid.any()):
         return torch.zeros(m, hq, d, dtype=torch.float32, device=q.device)
     pos = pos.clamp(max=length - 1)
-    # gather [M, Hkv, n, D]
-    k = k_cache.float()[slots[:, None, None], torch.arange(hkv, device=q.device)[None, :, None], pos[:, None, :]]
-    v = v_cache.float()[slots[:, None, None], torch.arange(hkv, device=q.device)[None, :, None], pos[:, None, :]]
+    # gather [M, Hkv, n, D], then fp32 (an fp16 cache converts exactly; only the gathered keys are converted)
+    heads = torch.arange(hkv, device=q.device)[None, :, None]
+    k = k_cache[slots[:, None, None], heads, pos[:, None, :]].float()
+    v = v_cache[slots[:, None, None], heads, pos[:, None, :]].float()
     k = k.repeat_interleave(g, dim=1)
     v = v.repeat_interleave(g, dim=1)
     s = torch.einsum("mhd,mhnd->mhn", q.float(), k) * scale

@@ -277,19 +277,24 @@ void dot_row_scalar(const uint8_t* w, int64_t cs, const int8_t* x, const int32_t
   *y = v;
 }
 
+// A K/V cache element as fp32: an fp32 cache as it is, an fp16 cache (stored as its uint16_t bits) converted
+// exactly (every fp16 value is an fp32 value), so the attention arithmetic is the same fp32 sequence for both.
+inline float kv_value(float v) { return v; }
+inline float kv_value(uint16_t h) { return half_to_float(h); }
+
 // scalar attention for one (row, head) over n keys; key j is at cache position key_pos(j) of K / V
 // (which point at position 0 of the (slot, kv head)).  The operation sequence depends only on the
 // keys' order, not on where they are stored: a tree row whose keys are a prefix range plus its
-// ancestors gives bitwise the result of the same keys stored contiguously.
-template <class KeyPos>
-void attn_keys_scalar(const float* q, const float* K, const float* V, int64_t n, KeyPos key_pos, int64_t D,
+// ancestors gives bitwise the result of the same keys stored contiguously.  T: the cache element type.
+template <class KeyPos, class T>
+void attn_keys_scalar(const float* q, const T* K, const T* V, int64_t n, KeyPos key_pos, int64_t D,
                       float scale, float* out, float* sbuf) {
   float mx = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     float acc[16] = {0};
-    const float* k = K + key_pos(j) * D;
+    const T* k = K + key_pos(j) * D;
     for (int64_t d0 = 0; d0 < D; d0 += 16)
-      for (int l = 0; l < 16 && d0 + l < D; ++l) acc[l] = std::fma(q[d0 + l], k[d0 + l], acc[l]);
+      for (int l = 0; l < 16 && d0 + l < D; ++l) acc[l] = std::fma(q[d0 + l], kv_value(k[d0 + l]), acc[l]);
     const float s = hsum16_scalar(acc) * scale;
     sbuf[j] = s;
     mx = std::max(mx, s);
@@ -304,19 +309,21 @@ void attn_keys_scalar(const float* q, const float* K, const float* V, int64_t n,
   const float sum = hsum16_scalar(ps);
   for (int64_t d = 0; d < D; ++d) {
     float acc = 0.0f;
-    for (int64_t j = 0; j < n; ++j) acc = std::fma(sbuf[j], V[key_pos(j) * D + d], acc);
+    for (int64_t j = 0; j < n; ++j) acc = std::fma(sbuf[j], kv_value(V[key_pos(j) * D + d]), acc);
     out[d] = acc / sum;
   }
 }
 
 // scalar attention for one (row, head) over the contiguous keys [a, b)
-void attn_row_scalar(const float* q, const float* K, const float* V, int64_t a, int64_t b, int64_t D, float scale,
+template <class T>
+void attn_row_scalar(const float* q, const T* K, const T* V, int64_t a, int64_t b, int64_t D, float scale,
                      float* out, float* sbuf) {
   attn_keys_scalar(q, K, V, b - a, [a](int64_t j) { return a + j; }, D, scale, out, sbuf);
 }
 
 // scalar attention for one (row, head) over the logical keys [a, b) then extra[0 .. ne)
-void attn_tree_row_scalar(const float* q, const float* K, const float* V, int64_t a, int64_t b, const int32_t* extra,
+template <class T>
+void attn_tree_row_scalar(const float* q, const T* K, const T* V, int64_t a, int64_t b, const int32_t* extra,
                           int64_t ne, int64_t D, float scale, float* out, float* sbuf) {
   const int64_t np = b - a;
   attn_keys_scalar(q, K, V, np + ne, [a, np, extra](int64_t j) { return j < np ? a + j : int64_t(extra[j - np]); },
@@ -593,42 +600,50 @@ void quantize_unit_avx(const float* xr, int64_t K, int64_t b0, int nb, int8_t* q
 }
 
 // ---- attention
+// K/V pointers are to the cache's element type T: float, or uint16_t for an fp16 cache, whose 16 values
+// load16_avx converts exactly to fp32 (vcvtph2ps); the arithmetic after the load is the same for both.
 
-template <int NK>
-inline void scores_avx(const float* q, const float* k, int64_t D, float scale, float* s) {
+inline __m512 load16_avx(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16_avx(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int NK, class T>
+inline void scores_avx(const float* q, const T* k, int64_t D, float scale, float* s) {
   __m512 acc[NK];
 #pragma GCC unroll 8
   for (int i = 0; i < NK; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) {
     const __m512 qv = _mm512_loadu_ps(q + d);
 #pragma GCC unroll 8
-    for (int i = 0; i < NK; ++i) acc[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + i * D + d), acc[i]);
+    for (int i = 0; i < NK; ++i) acc[i] = _mm512_fmadd_ps(qv, load16_avx(k + i * D + d), acc[i]);
   }
 #pragma GCC unroll 8
   for (int i = 0; i < NK; ++i) s[i] = hsum16_avx(acc[i]) * scale;
 }
 
 // acc[c*16 ..] += sum_{j in [0, n)} p[j] * V[j, c*16 ..] sequentially in j (NC chunks of 16)
-template <int NC>
-inline void pv_block_avx(const float* p, const float* V, int64_t n, int64_t D, float* acc_mem) {
+template <int NC, class T>
+inline void pv_block_avx(const float* p, const T* V, int64_t n, int64_t D, float* acc_mem) {
   __m512 acc[NC];
 #pragma GCC unroll 8
   for (int c = 0; c < NC; ++c) acc[c] = _mm512_loadu_ps(acc_mem + c * 16);
   for (int64_t j = 0; j < n; ++j) {
     const __m512 pj = _mm512_set1_ps(p[j]);
-    const float* v = V + j * D;
+    const T* v = V + j * D;
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + c * 16), acc[c]);
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(pj, load16_avx(v + c * 16), acc[c]);
   }
 #pragma GCC unroll 8
   for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_mem + c * 16, acc[c]);
 }
 
-inline void pv_avx(const float* p, const float* V, int64_t n, int64_t D, float* acc_mem) {
+template <class T>
+inline void pv_avx(const float* p, const T* V, int64_t n, int64_t D, float* acc_mem) {
   const int64_t nc = D / 16;
   for (int64_t c = 0; c < nc; c += 8) {
     const int64_t cc = std::min<int64_t>(8, nc - c);
-    const float* Vc = V + c * 16;
+    const T* Vc = V + c * 16;
     float* a = acc_mem + c * 16;
     switch (cc) {
       case 1: pv_block_avx<1>(p, Vc, n, D, a); break;
@@ -675,7 +690,8 @@ inline __m512 reduce16_avx(const __m512* v) {
 }
 
 // scores of 4 pairs x 4 consecutive keys starting at k; pair p's 4 scores go to s[p][0..3]
-inline void scores_tile_avx(const float* const* q, const float* k, int64_t D, float scale, float* const* s) {
+template <class T>
+inline void scores_tile_avx(const float* const* q, const T* k, int64_t D, float scale, float* const* s) {
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
@@ -685,7 +701,7 @@ inline void scores_tile_avx(const float* const* q, const float* k, int64_t D, fl
     for (int p = 0; p < 4; ++p) qv[p] = _mm512_loadu_ps(q[p] + d);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512 kv = _mm512_loadu_ps(k + j * D + d);
+      const __m512 kv = load16_avx(k + j * D + d);
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) acc[4 * j + p] = _mm512_fmadd_ps(qv[p], kv, acc[4 * j + p]);
     }
@@ -699,7 +715,8 @@ inline void scores_tile_avx(const float* const* q, const float* k, int64_t D, fl
 }
 
 // one pair, keys [j0, j1) -> s (indexed by absolute key)
-inline void scores_one_avx(const float* q, const float* K, int64_t j0, int64_t j1, int64_t D, float scale, float* s) {
+template <class T>
+inline void scores_one_avx(const float* q, const T* K, int64_t j0, int64_t j1, int64_t D, float scale, float* s) {
   int64_t j = j0;
   for (; j + 4 <= j1; j += 4) scores_avx<4>(q, K + j * D, D, scale, s + j);
   for (; j < j1; ++j) scores_avx<1>(q, K + j * D, D, scale, s + j);
@@ -707,8 +724,8 @@ inline void scores_one_avx(const float* q, const float* K, int64_t j0, int64_t j
 
 // 4 pairs, keys [j0, j1), NC chunks of 16 columns starting at column c0:
 // acc_p[c] += sum_j p_p[j] * V[j, c] sequentially in j
-template <int NC>
-inline void pv_tile_avx(const float* const* p, const float* V, int64_t j0, int64_t j1, int64_t D, int64_t c0,
+template <int NC, class T>
+inline void pv_tile_avx(const float* const* p, const T* V, int64_t j0, int64_t j1, int64_t D, int64_t c0,
                         float* const* acc_mem) {
   __m512 acc[4][NC];
 #pragma GCC unroll 4
@@ -718,7 +735,7 @@ inline void pv_tile_avx(const float* const* p, const float* V, int64_t j0, int64
   for (int64_t j = j0; j < j1; ++j) {
     __m512 v[NC];
 #pragma GCC unroll 4
-    for (int c = 0; c < NC; ++c) v[c] = _mm512_loadu_ps(V + j * D + c0 + c * 16);
+    for (int c = 0; c < NC; ++c) v[c] = load16_avx(V + j * D + c0 + c * 16);
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const __m512 pj = _mm512_set1_ps(p[r][j]);
@@ -732,7 +749,8 @@ inline void pv_tile_avx(const float* const* p, const float* V, int64_t j0, int64
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc_mem[r] + c0 + c * 16, acc[r][c]);
 }
 
-inline void pv_tile4_avx(const float* const* p, const float* V, int64_t j0, int64_t j1, int64_t D,
+template <class T>
+inline void pv_tile4_avx(const float* const* p, const T* V, int64_t j0, int64_t j1, int64_t D,
                          float* const* acc_mem) {
   const int64_t nc = D / 16;
   for (int64_t c = 0; c < nc; c += 4) {
@@ -780,8 +798,9 @@ inline float softmax_numerators_avx(float* s, int64_t n) {
 // Extra keys (tree rows): pair r then attends ne[r] more keys at cache positions ex[r][0 .. ne[r]) after its
 // range, each scored alone (scores_avx<1>) into the score buffer right after the range's scores and added
 // to P @ V after the range's keys, in that order: the pair's keys in logical order, as attn_tree_row_scalar.
+template <class T>
 void attn_item_avx(int64_t P, const float* const* qs, const int32_t* a, const int32_t* b, const int32_t* const* ex,
-                   const int64_t* ne, float* const* outs, const float* K, const float* V, int64_t D, float scale,
+                   const int64_t* ne, float* const* outs, const T* K, const T* V, int64_t D, float scale,
                    int64_t lds, float* scratch) {
   // sb[r] is indexed by the absolute key position: sb[r] + a[r] is the pair's score buffer
   std::vector<float*> sb(P), acc(P);
@@ -996,7 +1015,12 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   const auto i32 = [](const torch::Tensor& t) {
     return (t.scalar_type() == at::kInt && t.is_contiguous()) ? t : t.to(at::kInt).contiguous();
   };
-  const torch::Tensor q = f32(q_in), kc = f32(k_in), vc = f32(v_in);
+  // The caches are fp32 or fp16 (both the same); an fp16 cache is read as it is, never converted as a whole.
+  TORCH_CHECK(k_in.scalar_type() == v_in.scalar_type(), "attention: k_cache is ", k_in.scalar_type(),
+              " but v_cache is ", v_in.scalar_type());
+  const bool half_kv = k_in.scalar_type() == at::kHalf;
+  const auto kv = [&](const torch::Tensor& t) { return half_kv ? t.contiguous() : f32(t); };
+  const torch::Tensor q = f32(q_in), kc = kv(k_in), vc = kv(v_in);
   const torch::Tensor slots = i32(slots_in), ks = i32(start_in), ke = i32(end_in);
   const int64_t M = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t S = kc.size(0), Hkv = kc.size(1), Lmax = kc.size(2);
@@ -1032,8 +1056,10 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   const float scale = static_cast<float>(scale_d);
   const int64_t group = Hq / Hkv;
   const float* qp = q.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
+  // element offsets below are in cache elements; kp / vp are cast to the element type where they are read
+  const char* kp = static_cast<const char*>(kc.data_ptr());
+  const char* vp = static_cast<const char*>(vc.data_ptr());
+  const int64_t esize = kc.element_size();
   float* op = out.data_ptr<float>();
   const bool avx = use_avx() && D % 16 == 0;
 
@@ -1076,7 +1102,7 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   std::vector<int64_t> pne(npairs);
   struct Item {
     int64_t p0, np;
-    const float *K, *V;
+    const void *K, *V;  // position 0 of the (slot, kv head): const float* or, for an fp16 cache, const uint16_t*
   };
   std::vector<Item> items;
   int64_t idx = 0;
@@ -1097,27 +1123,33 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
       }
       const int64_t base = (slot * Hkv + kvh) * Lmax * D;
       for (int64_t p0 = first; p0 < idx; p0 += cap)
-        items.push_back({p0, std::min(cap, idx - p0), kp + base, vp + base});
+        items.push_back({p0, std::min(cap, idx - p0), kp + base * esize, vp + base * esize});
     }
   }
   const int64_t lds = (maxn + 16 + 15) / 16 * 16;
-  auto run_item = [&](const Item& it) {
+  auto run_typed = [&](const Item& it, const auto* K, const auto* V) {
     thread_local Scratch sbuf_mem;
 #ifdef SPECDEC_X86
     if (avx) {
       float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(it.np * (lds + D) + 16) * 4));
       attn_item_avx(it.np, pq.data() + it.p0, pa.data() + it.p0, pb.data() + it.p0, pe.data() + it.p0,
-                    pne.data() + it.p0, po.data() + it.p0, it.K, it.V, D, scale, lds, sbuf);
+                    pne.data() + it.p0, po.data() + it.p0, K, V, D, scale, lds, sbuf);
       return;
     }
 #endif
     float* sbuf = reinterpret_cast<float*>(sbuf_mem.get(size_t(lds + 16) * 4));
     for (int64_t r = it.p0; r < it.p0 + it.np; ++r) {
       if (pne[r])
-        attn_tree_row_scalar(pq[r], it.K, it.V, pa[r], pb[r], pe[r], pne[r], D, scale, po[r], sbuf);
+        attn_tree_row_scalar(pq[r], K, V, pa[r], pb[r], pe[r], pne[r], D, scale, po[r], sbuf);
       else
-        attn_row_scalar(pq[r], it.K, it.V, pa[r], pb[r], D, scale, po[r], sbuf);
+        attn_row_scalar(pq[r], K, V, pa[r], pb[r], D, scale, po[r], sbuf);
     }
+  };
+  auto run_item = [&](const Item& it) {
+    if (half_kv)
+      run_typed(it, static_cast<const uint16_t*>(it.K), static_cast<const uint16_t*>(it.V));
+    else
+      run_typed(it, static_cast<const float*>(it.K), static_cast<const float*>(it.V));
   };
   const int64_t nitems = int64_t(items.size());
   const int64_t workers = std::min(nth, nitems);

@@ -105,6 +105,13 @@ class Transformer:
         return [name for name in names if name not in tensors]
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache dtype this model runs with by default: fp16 beside int8 weights (half the cache's memory
+        and reads; keys/values are rounded once when written, far below the int8 weights' own error), fp32 beside
+        fp32 weights (the reference format, for parity with HF transformers)."""
+        return torch.float16 if self.weight_format == "q8" else torch.float32
+
+    @property
     def weight_nbytes(self) -> int:
         linears = [self.embed_tokens] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
         for layer in self.layers:

@@ -78,7 +78,8 @@ def generate_continuations(target, tokenizer, prompts: list[list[int]], max_new_
 
 def hidden_states(target, sequences: list[list[int]], chunk: int = 512) -> list[torch.Tensor]:
     """The target's final-normed hidden states of every position, per sequence [T_i, hidden] fp32."""
-    cache = KVCache(target.config, len(sequences), max(len(s) for s in sequences), target.device)
+    cache = KVCache(target.config, len(sequences), max(len(s) for s in sequences), target.device,
+                    dtype=target.kv_cache_dtype)
     rows: list[list[torch.Tensor]] = [[] for _ in sequences]
     for start in range(0, max(len(s) for s in sequences), chunk):
         live = [i for i, s in enumerate(sequences) if len(s) > start]
