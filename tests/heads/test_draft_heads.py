@@ -223,3 +223,24 @@ def test_adaptive_policy_charges_the_head_by_its_weight_bytes(trained_heads, mak
     medusa = _cached_cost_model(model, make_head_drafter(trained_heads("qwen2", "medusa"), model), None, "q8", 32).drafter
     assert eagle.per_token_s > 0 and eagle.batched  # one head forward per draft position
     assert medusa.per_token_s == 0 and medusa.per_step_s > 0  # all heads in one forward
+
+
+@pytest.mark.parametrize("weight_format", ["q8", "fp32"])
+def test_heads_draft_with_the_targets_own_output_rows(trained_heads, make_tiny_model, weight_format):
+    """The draft lm_head is the target's output layer restricted to the draft vocabulary, bit for bit (no
+    dequantise-requantise round trip): with q8 the head's logits for a hidden state are exactly the target's
+    logits of those token ids (each output of our kernel is computed alone); with fp32, F.linear's blocking
+    depends on the width, so they agree to rounding."""
+    model = make_tiny_model("qwen2", weight_format=weight_format)
+    trainer = trained_heads("qwen2", "eagle")
+    parts = TargetParts.from_target(model, trainer.parts.draft_token_ids)
+    ids = parts.draft_token_ids
+    lm_head = parts.draft_lm_head_in(weight_format)
+    normed = torch.randn(5, model.config.hidden_size)
+    if weight_format == "q8":
+        assert torch.equal(lm_head.quantized.qweight, model.lm_head.rows(ids).quantized.qweight)
+        assert torch.equal(lm_head.quantized.scale, model.lm_head.quantized.scale[ids])
+        assert torch.equal(parts.draft_logits(normed, lm_head), model.logits(normed)[:, ids])
+    else:
+        assert torch.equal(lm_head.dense, model.lm_head.dense[ids])
+        torch.testing.assert_close(parts.draft_logits(normed, lm_head), model.logits(normed)[:, ids])

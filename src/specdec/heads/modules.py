@@ -41,12 +41,14 @@ class TargetParts:
     draft_lm_head: torch.Tensor  # [draft vocab, hidden] fp32: lm_head rows of the draft vocabulary
     draft_token_ids: torch.Tensor  # [draft vocab] int64: target token id of each draft row
     final_logit_softcap: float | None
+    lm_head_source: Linear | None = None  # the target's output layer, whose own rows drafting uses
 
     @classmethod
     def from_target(cls, target, draft_token_ids: torch.Tensor) -> "TargetParts":
         ids = draft_token_ids.to(torch.int64).to(target.device)
         rows = target.lm_head.embed(ids).float().clone()  # [draft vocab, hidden]
-        return cls(target.embed_tokens, target.config.embedding_scale, rows, ids, target.config.final_logit_softcap)
+        return cls(target.embed_tokens, target.config.embedding_scale, rows, ids, target.config.final_logit_softcap,
+                   target.lm_head)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [n] int64 -> [n, hidden] fp32 (scaled like the target's input embedding)."""
@@ -61,7 +63,11 @@ class TargetParts:
         return logits
 
     def draft_lm_head_in(self, weight_format: str) -> Linear:
-        """The draft lm_head rows as a frozen Linear in weight_format, for drafting."""
+        """The draft lm_head rows as a frozen Linear in weight_format, for drafting: the target's own rows, bit for
+        bit (`Linear.rows`), when its output layer is in that format; else the fp32 rows built in it."""
+        source = self.lm_head_source
+        if source is not None and (source.quantized is not None) == (weight_format == "q8"):
+            return source.rows(self.draft_token_ids)
         return Linear.build(self.draft_lm_head, None, weight_format)
 
 
