@@ -153,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_threads(args.threads)
     extra = {} if args.max_verify_tokens is None else {"max_verify_tokens": args.max_verify_tokens}
     llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
-              kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_dtype=args.kv_cache_dtype, prefix_cache_tokens=args.prefix_cache_tokens,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device, **extra)
     app = create_app(llm, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                                         max_queue=args.max_queue))
@@ -172,6 +172,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 503")
     parser.add_argument("--max-verify-tokens", type=int, default=None, help="verify-token budget per step (draft policy)")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=8192,
+                        help="keys/values of earlier requests' tokens kept for prompts that start with them "
+                             "(a shared system turn, the next turn of a chat); 0 = off (default 8192)")
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: MODEL as given)")
     _add_format_args(parser)
     parser.add_argument("--threads", type=int, default=None)

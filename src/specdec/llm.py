@@ -56,13 +56,19 @@ class LLM:
         prefill_chunk: int = 512,
         draft_policy: str | DraftLengthPolicy = "adaptive",
         kv_cache_dtype: str = "auto",
+        prefix_cache_tokens: int = 0,
     ) -> None:
         """loaded: an already built (model, tokenizer) to share between LLMs; drafter: a ready drafter to use
         instead of building the one speculative_config names (its num_speculative_tokens still applies).
         draft_policy: "adaptive" (k per request and step from acceptance and the measured cost profile, at most
         num_speculative_tokens), "fixed" (BatchDraftPolicy) or a DraftLengthPolicy instance.
         kv_cache_dtype: the target's KV cache, "auto" (the model's default: fp16 beside q8 weights, fp32 beside
-        fp32 weights), "float16" or "float32"."""
+        fp32 weights), "float16" or "float32".
+        prefix_cache_tokens: keys/values of up to this many tokens of earlier requests kept, so that a prompt
+        starting with them (a shared system turn, the next turn of a conversation) copies them instead of
+        prefilling them; 0 = off. Outputs are the same either way."""
+        if prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         self.spec_config = _as_spec_config(speculative_config)
         kv_dtype(kv_cache_dtype, torch.float32)  # an unknown name fails here, before any weights are loaded
         self.device = torch.device(device) if device else default_device()
@@ -78,7 +84,8 @@ class LLM:
                                     model_name=self.model.source or None, weight_format=weight_format)
         self.engine = Engine(self.model, self.tokenizer, max_num_seqs, self.max_model_len, drafter, k,
                              prefill_chunk=prefill_chunk, max_verify_tokens=max_verify_tokens, draft_policy=policy,
-                             kv_cache_dtype=kv_dtype(kv_cache_dtype, self.model.kv_cache_dtype))
+                             kv_cache_dtype=kv_dtype(kv_cache_dtype, self.model.kv_cache_dtype),
+                             prefix_cache_tokens=prefix_cache_tokens)
 
     def encode_prompt(self, prompt: str | Sequence[int] | list[dict], chat: bool = False) -> list[int]:
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):

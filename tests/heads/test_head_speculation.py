@@ -66,3 +66,24 @@ def test_chi_square_detects_a_wrong_residual_with_a_head(small_vocab_target, tin
     monkeypatch.setattr(rejection, "residual_probs", lambda target_probs, draft_probs: target_probs)
     drafter = make_head_drafter(trainer, target, max_num_seqs=32, max_model_len=64)
     assert chi_square_p_value(sampled_counts(target, tiny_tokenizer, drafter), joint) < 1e-6
+
+
+def test_head_requests_prefill_their_whole_prompt_beside_a_prefix_cache(make_tiny_model, tiny_tokenizer, trained_heads):
+    """The EAGLE head needs the target's hidden state at every prompt position, so its requests never copy a
+    prefix; requests without speculation in the same engine do. Outputs equal plain decoding either way."""
+    from specdec.engine.engine import Engine
+
+    model = make_tiny_model("qwen2")
+    prompt = PROMPTS[3]  # 19 tokens: above the store's 16-token minimum match
+    params = SamplingParams(max_tokens=20)
+    (plain,), _ = run(model, tiny_tokenizer, [prompt], params)
+    engine = Engine(model, tiny_tokenizer, max_num_seqs=2, max_model_len=256, num_speculative_tokens=4,
+                    drafter=make_head_drafter(trained_heads("qwen2", "eagle"), model), prefix_cache_tokens=4096)
+    outputs = []
+    for speculative in (True, True, False):
+        seq = engine.add_request(prompt, params, speculative=speculative)
+        while engine.has_unfinished():
+            engine.step()
+        outputs.append(seq)
+    assert [seq.cached_prompt_tokens for seq in outputs] == [0, 0, len(prompt) - 1]
+    assert all(seq.output_token_ids == plain.output_token_ids for seq in outputs)

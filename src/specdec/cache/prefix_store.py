@@ -95,3 +95,31 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
             break
         length += 1
     return length
+
+
+class PrefixCache:
+    """A target engine's prefix cache: a PrefixStore plus the rules and counters of reusing it.
+
+    A new request copies the longest stored prefix of its prompt into its slot, but never the prompt's last token,
+    whose logits give the first output token. Counters are in tokens, as vLLM's prefix_cache_queries / _hits.
+    """
+
+    def __init__(self, max_tokens: int, min_match: int = 16) -> None:
+        self.store = PrefixStore(max_tokens, min_match)
+        self.queried_tokens = 0  # prompt tokens of the requests that looked the store up
+        self.hit_tokens = 0  # of those, the tokens copied instead of prefilled
+
+    def reuse(self, cache: KVCache, slot: int, prompt_token_ids: Sequence[int]) -> int:
+        """Copies the longest stored prefix of the prompt (at most all but its last token) into positions 0.. of
+        `slot`; returns how many positions it filled (0: nothing long enough was stored)."""
+        self.queried_tokens += len(prompt_token_ids)
+        entry, length = self.store.longest_match(prompt_token_ids[:-1])
+        if entry is None:
+            return 0
+        self.store.load(cache, slot, entry, length)
+        self.hit_tokens += length
+        return length
+
+    def keep(self, cache: KVCache, slot: int, token_ids: Sequence[int]) -> None:
+        """Stores positions 0 .. len(token_ids)-1 of `slot`, which hold token_ids."""
+        self.store.save(cache, slot, token_ids)

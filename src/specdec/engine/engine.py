@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cache.kv_cache import KVCache
+from specdec.cache.prefix_store import PrefixCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter, HiddenStateDrafter
 from specdec.drafters.tree import DraftTree
@@ -55,6 +56,7 @@ class StepOutput:
     new_text: str
     finish_reason: str | None
     new_logprobs: tuple[TokenLogprob, ...] | None = None  # when the request asked for logprobs
+    cached_prompt_tokens: int | None = None  # on a request's first output: prompt tokens taken from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -74,8 +76,13 @@ class Engine:
         max_verify_tokens: int = 32,
         draft_policy: DraftLengthPolicy | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        prefix_cache_tokens: int = 0,
     ) -> None:
-        """kv_cache_dtype: torch.float32 or torch.float16; None = the model's default (`Transformer.kv_cache_dtype`)."""
+        """kv_cache_dtype: torch.float32 or torch.float16; None = the model's default (`Transformer.kv_cache_dtype`).
+        prefix_cache_tokens: tokens of earlier requests' keys/values kept for reuse by prompts that start with them
+        (0: no prefix cache)."""
+        if prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         if drafter is not None and num_speculative_tokens < 1:
             raise ValueError("a drafter needs num_speculative_tokens >= 1")
         self.model = model
@@ -83,6 +90,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device,
                              dtype=kv_cache_dtype or model.kv_cache_dtype)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.drafter = drafter
         self._hidden_drafter = drafter if isinstance(drafter, HiddenStateDrafter) else None
         self.draft_policy = draft_policy or BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)
@@ -154,12 +162,19 @@ class Engine:
             if hidden_per_seq is not None and seq.speculative:
                 self._hidden_drafter.observe_target_hidden(seq.request_id, hidden_per_seq[row])
             if not seq.prefilling:
+                if self.prefix_cache is not None:  # shared with later prompts while this request runs
+                    self.prefix_cache.keep(self.cache, seq.slot, seq.prompt_token_ids)
                 outputs.append(self._first_token(seq, last_logits[row : row + 1]))
         return outputs
 
     def _admit(self, seq: Sequence) -> Sequence:
         seq.slot = self.cache.allocate()
         self.running.append(seq)  # from here on abort() finds it and frees the slot
+        # A drafter that reads the target's hidden states needs them for every prompt position: such requests
+        # prefill all of their prompt.
+        if self.prefix_cache is not None and not (seq.speculative and self._hidden_drafter is not None):
+            seq.num_cached = seq.cached_prompt_tokens = self.prefix_cache.reuse(self.cache, seq.slot,
+                                                                                 seq.prompt_token_ids)
         if seq.speculative:
             start = time.perf_counter()
             self.drafter.add_request(seq.request_id, seq.prompt_token_ids, seq.params, seq.generator)
@@ -173,7 +188,7 @@ class Engine:
         if seq.speculative:
             self.drafter.observe(seq.request_id, [token_id])
         return StepOutput(seq.request_id, (token_id,), (TokenKind.TARGET,), new_text, seq.finish_reason,
-                          token_logprobs(logits, [token_id], seq.params.logprobs))
+                          token_logprobs(logits, [token_id], seq.params.logprobs), seq.cached_prompt_tokens)
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         """logits [1, vocab] -> one token, exactly as plain decoding samples it."""
@@ -304,6 +319,8 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         if seq in self.running:
+            if self.prefix_cache is not None:  # the committed tokens (a next turn of the conversation starts so)
+                self.prefix_cache.keep(self.cache, seq.slot, seq.all_token_ids[: seq.num_cached])
             self.running.remove(seq)
             self.cache.free(seq.slot)
             seq.slot = -1

@@ -35,6 +35,7 @@ class Sequence:
     token_kinds: list[TokenKind] = field(default_factory=list)
     text: str = ""
     num_cached: int = 0  # positions whose keys/values are valid in the cache
+    cached_prompt_tokens: int = 0  # prompt positions copied from the prefix cache instead of prefilled
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stopped_by_string: bool = False
     streamed_chars: int = 0  # characters of `text` already handed out

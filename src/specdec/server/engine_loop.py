@@ -211,9 +211,12 @@ class EngineLoop:
 
     def _take_snapshot(self) -> EngineSnapshot:
         engine = self.engine
+        prefixes = engine.prefix_cache
         return EngineSnapshot(running=len(engine.running), waiting=len(engine.waiting),
                               free_slots=engine.cache.free_slots, total_slots=engine.cache.num_slots,
-                              spec=engine.metrics.copy())
+                              spec=engine.metrics.copy(),
+                              prefix_cache_queries=prefixes.queried_tokens if prefixes else 0,
+                              prefix_cache_hits=prefixes.hit_tokens if prefixes else 0)
 
     def _shutdown(self) -> None:
         with self._cond:

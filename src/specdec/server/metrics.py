@@ -9,6 +9,8 @@ Counters (monotonic):
   specdec:request_success_total{finished_reason}           requests that ended with stop / length
   specdec:request_failure_total{reason}                    requests failed by the engine, or aborted (client gone)
   specdec:engine_step_errors_total                         Engine.step() calls that raised
+  specdec:prefix_cache_queries_total / specdec:prefix_cache_hits_total   prompt tokens looked up in the prefix
+      cache / of those, copied from it instead of prefilled (tokens, as vLLM's)
 Histograms (seconds, measured in the engine thread from the moment the HTTP handler submitted the request):
   specdec:time_to_first_token_seconds, specdec:e2e_request_latency_seconds,
   specdec:inter_token_latency_seconds (a step that emits n tokens after a gap g observes g/n n times, so
@@ -65,6 +67,8 @@ class EngineSnapshot:
     free_slots: int = 0
     total_slots: int = 0
     spec: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0
 
 
 class ServerMetrics:
@@ -109,7 +113,8 @@ class ServerMetrics:
 
     def render(self, snapshot: EngineSnapshot, pending: int) -> str:
         with self._lock:
-            lines = _spec_lines(snapshot.spec) + self._request_lines() + _gauge_lines(snapshot, pending)
+            lines = (_spec_lines(snapshot.spec) + self._request_lines() + _prefix_cache_lines(snapshot)
+                     + _gauge_lines(snapshot, pending))
         return "\n".join(lines) + "\n"
 
     def _request_lines(self) -> list[str]:
@@ -132,6 +137,14 @@ def _spec_lines(spec: SpecDecodeMetrics) -> list[str]:
     lines += _counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", {(): spec.accepted_tokens})
     lines += _counter("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position.",
                       {(("position", str(i)),): n for i, n in enumerate(spec.accepted_per_position)})
+    return lines
+
+
+def _prefix_cache_lines(snapshot: EngineSnapshot) -> list[str]:
+    lines = _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                     {(): snapshot.prefix_cache_queries})
+    lines += _counter("prefix_cache_hits", "Prompt tokens copied from the prefix cache instead of prefilled.",
+                      {(): snapshot.prefix_cache_hits})
     return lines
 
 

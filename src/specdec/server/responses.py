@@ -63,6 +63,7 @@ class ResponseBuilder(abc.ABC):
         self.draft_positions: list[int | None] = []
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
 
     # ---- shared ----------------------------------------------------------------------------------------
     def add(self, output: StepOutput) -> None:
@@ -73,11 +74,14 @@ class ResponseBuilder(abc.ABC):
         if output.new_logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(output.new_logprobs)
         self.finish_reason = output.finish_reason
+        if output.cached_prompt_tokens is not None:
+            self.cached_tokens = output.cached_prompt_tokens
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = len(self.token_ids)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -1,0 +1,34 @@
+"""A server with a prefix cache: usage reports the cached prompt tokens, /metrics counts them, outputs do not change."""
+import openai
+import pytest
+
+from server_helpers import MAX_MODEL_LEN, MODEL, start_server
+from specdec.config import SamplingParams
+from specdec.llm import LLM
+
+FIRST = "the same long preamble, then a question: "
+SECOND = FIRST + "and a different ending"
+
+
+@pytest.fixture(scope="module")
+def cached_server(make_tiny_model, tiny_tokenizer):
+    llm = LLM(loaded=(make_tiny_model("llama"), tiny_tokenizer), max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
+              prefix_cache_tokens=4096, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    running = start_server(llm)
+    yield running
+    running.stop()
+
+
+def test_usage_and_metrics_report_the_cached_prompt_tokens(cached_server, make_tiny_model, tiny_tokenizer):
+    client = openai.OpenAI(base_url=cached_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    first = client.completions.create(model=MODEL, prompt=FIRST, max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=MODEL, prompt=SECOND, max_tokens=8, temperature=0)
+    shared = len(tiny_tokenizer.encode(FIRST))  # byte-level: SECOND's tokens start with all of FIRST's
+    assert second.usage.prompt_tokens_details.cached_tokens == shared
+    plain = LLM(loaded=(make_tiny_model("llama"), tiny_tokenizer), max_model_len=MAX_MODEL_LEN)
+    (expected,) = plain.generate(SECOND, SamplingParams(max_tokens=8))
+    assert second.choices[0].text == expected.text
+    metrics = cached_server.metrics()
+    assert metrics["specdec:prefix_cache_hits_total"] == shared
+    assert metrics["specdec:prefix_cache_queries_total"] == shared + len(tiny_tokenizer.encode(SECOND))
