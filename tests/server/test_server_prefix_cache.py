@@ -1,4 +1,6 @@
 """A server with a prefix cache: usage reports the cached prompt tokens, /metrics counts them, outputs do not change."""
+import json
+
 import openai
 import pytest
 
@@ -32,3 +34,21 @@ def test_usage_and_metrics_report_the_cached_prompt_tokens(cached_server, make_t
     metrics = cached_server.metrics()
     assert metrics["specdec:prefix_cache_hits_total"] == shared
     assert metrics["specdec:prefix_cache_queries_total"] == shared + len(tiny_tokenizer.encode(SECOND))
+
+
+def test_load_test_levels_do_not_resend_each_others_prompts(cached_server, tmp_path):
+    """Prompts continue round-robin across levels: with 6 prompts and 3 requests per level, the second level sends
+    the other 3 and finds nothing of them in the cache; a third level wraps around and does, and says so."""
+    from specdec.bench import load_test
+
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"category": "summarization", "turns": [f"{letter} is the first letter of this rather long prompt"]}
+            for letter in "uvwxyz"]
+    prompts.write_text("\n".join(json.dumps(row) for row in rows))
+    output = tmp_path / "report.json"
+    assert load_test.main(["--url", cached_server.url, "--concurrency", "1,1,1", "--prompts", str(prompts),
+                           "--max-tokens", "4", "--requests", "3", "--output", str(output)]) == 0
+    levels = json.loads(output.read_text())["levels"]
+    assert [level["requests"] for level in levels] == [3, 3, 3]
+    assert levels[0]["cached_prompt_tokens"] == levels[1]["cached_prompt_tokens"] == 0
+    assert levels[2]["cached_prompt_tokens"] > 0.8 * levels[2]["prompt_tokens"]

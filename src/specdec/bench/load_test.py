@@ -3,7 +3,9 @@
     python -m specdec.bench.load_test --url http://127.0.0.1:8000 --concurrency 1,2,4,8,16 \\
         --prompts /work/shared/data/spec_bench_dev.jsonl --category summarization --max-tokens 128 [--duration S]
 
-Each of C clients streams chat completions back to back (prompts taken round-robin from the category). Without
+Each of C clients streams chat completions back to back (prompts taken round-robin from the category, continuing
+across levels, so a level does not resend the prompts of the level before and find them in the server's prefix
+cache; the share of prompt tokens the server reports as cached is printed per level). Without
 --duration every level sends max(C, --requests) requests; with --duration it keeps sending for S seconds (soak).
 Per level: output tok/s (completion tokens / wall time), p50/p95 time to first token and request latency,
 errors (HTTP or in-band) and malformed responses (bad SSE, missing [DONE], usage that disagrees with the stream),
@@ -34,6 +36,8 @@ class RequestResult:
     ttft_s: float | None = None
     latency_s: float | None = None
     completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (a prefix cache's hit)
 
 
 @dataclass
@@ -44,6 +48,8 @@ class LevelReport:
     malformed: int
     wall_s: float
     completion_tokens: int
+    prompt_tokens: int
+    cached_prompt_tokens: int
     output_tok_s: float
     ttft_p50_s: float | None
     ttft_p95_s: float | None
@@ -111,12 +117,16 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     latency = time.perf_counter() - start
     if not done or usage is None or usage.get("completion_tokens", 0) < pieces:
         return RequestResult(ok=False, malformed=True, error=f"stream incomplete (done={done}, usage={usage})")
+    details = usage.get("prompt_tokens_details") or {}
     return RequestResult(ok=True, ttft_s=ttft if ttft is not None else latency, latency_s=latency,
-                         completion_tokens=int(usage["completion_tokens"]))
+                         completion_tokens=int(usage["completion_tokens"]), prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                         cached_prompt_tokens=int(details.get("cached_tokens") or 0))
 
 
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, num_requests: int,
-                    duration_s: float | None, headers: dict[str, str], timeout_s: float) -> tuple[list[RequestResult], float]:
+                    duration_s: float | None, headers: dict[str, str], timeout_s: float,
+                    first_prompt: int = 0) -> tuple[list[RequestResult], float]:
+    """first_prompt: the round-robin index of the level's first request (levels continue where the last stopped)."""
     counter = iter(range(10**12))
     results: list[RequestResult] = []
     start = time.perf_counter()
@@ -129,7 +139,8 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
 
     async def client_loop(client: httpx.AsyncClient) -> None:
         while (i := more()) is not None:
-            results.append(await one_request(client, url, model, prompts[i % len(prompts)], max_tokens, headers))
+            results.append(await one_request(client, url, model, prompts[(first_prompt + i) % len(prompts)],
+                                             max_tokens, headers))
 
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
@@ -156,13 +167,13 @@ async def sample_rss(url: str, interval_s: float, samples_mb: list[float], stop:
 
 async def run_level_sampled(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
                             num_requests: int, duration_s: float | None, headers: dict[str, str], timeout_s: float,
-                            rss_interval_s: float) -> tuple[list[RequestResult], float, list[float]]:
+                            rss_interval_s: float, first_prompt: int = 0) -> tuple[list[RequestResult], float, list[float]]:
     samples_mb: list[float] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_rss(url, rss_interval_s, samples_mb, stop))
     try:
         results, wall_s = await run_level(url, model, prompts, concurrency, max_tokens, num_requests, duration_s,
-                                          headers, timeout_s)
+                                          headers, timeout_s, first_prompt)
     finally:
         stop.set()
         await sampler
@@ -210,6 +221,7 @@ def summarize(concurrency: int, results: list[RequestResult], wall_s: float, bef
     return LevelReport(
         concurrency=concurrency, requests=len(results), errors=len(results) - len(ok),
         malformed=sum(r.malformed for r in results), wall_s=wall_s, completion_tokens=tokens,
+        prompt_tokens=sum(r.prompt_tokens for r in ok), cached_prompt_tokens=sum(r.cached_prompt_tokens for r in ok),
         output_tok_s=tokens / wall_s if wall_s > 0 else 0.0,
         ttft_p50_s=percentile([r.ttft_s for r in ok], 0.5), ttft_p95_s=percentile([r.ttft_s for r in ok], 0.95),
         latency_p50_s=percentile([r.latency_s for r in ok], 0.5),
@@ -231,15 +243,17 @@ def format_table(reports: list[LevelReport]) -> str:
         return "-" if value is None else format(value, fmt)
 
     header = (f"{'conc':>4} {'reqs':>5} {'err':>4} {'bad':>4} {'tok/s':>8} {'ttft p50':>9} {'ttft p95':>9} "
-              f"{'lat p50':>8} {'lat p95':>8} {'alpha':>6} {'tau':>5} {'rss MB':>7} {'rss +MB':>7}")
+              f"{'lat p50':>8} {'lat p95':>8} {'alpha':>6} {'tau':>5} {'cached':>6} {'rss MB':>7} {'rss +MB':>7}")
     rows = [header, "-" * len(header)]
     for r in reports:
         rows.append(f"{r.concurrency:>4} {r.requests:>5} {r.errors:>4} {r.malformed:>4} {r.output_tok_s:>8.1f} "
                     f"{ms(r.ttft_p50_s):>9} {ms(r.ttft_p95_s):>9} {ms(r.latency_p50_s):>8} {ms(r.latency_p95_s):>8} "
                     f"{num(r.acceptance_rate, '.2f'):>6} {num(r.mean_accepted_length, '.2f'):>5} "
+                    f"{num(r.cached_prompt_tokens / r.prompt_tokens if r.prompt_tokens else None, '.0%'):>6} "
                     f"{num(r.server_rss_mb, '.0f'):>7} {num(r.server_rss_growth_mb, '+.1f'):>7}")
-    return "\n".join(rows) + ("\n(times in ms; tok/s = completion tokens / wall time of the level; rss +MB = mean RSS of "
-                              "the level's last quarter minus its second quarter, shown with >= 8 samples)")
+    return "\n".join(rows) + ("\n(times in ms; tok/s = completion tokens / wall time of the level; cached = share of the "
+                              "prompt tokens the server took from its prefix cache; rss +MB = mean RSS of the level's "
+                              "last quarter minus its second quarter, shown with >= 8 samples)")
 
 
 def served_model(url: str, headers: dict[str, str]) -> str:
@@ -271,12 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     prompts = load_prompts(args.prompts, None if args.category == "all" else args.category)
     model = args.model or served_model(args.url, headers)
-    reports = []
+    reports, sent = [], 0
     for concurrency in [int(c) for c in args.concurrency.split(",") if c.strip()]:
         before = scrape(args.url)
         results, wall_s, rss_samples_mb = asyncio.run(run_level_sampled(
             args.url, model, prompts, concurrency, args.max_tokens, max(concurrency, args.requests), args.duration,
-            headers, args.timeout, args.rss_interval))
+            headers, args.timeout, args.rss_interval, first_prompt=sent))
+        sent += len(results)
         reports.append(summarize(concurrency, results, wall_s, before, scrape(args.url), rss_samples_mb))
         print(f"[concurrency {concurrency}: {len(results)} requests in {wall_s:.1f} s]", file=sys.stderr)
     print(format_table(reports))
