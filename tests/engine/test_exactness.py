@@ -131,3 +131,24 @@ def test_chunked_prefill_interleaves_with_decoding_and_changes_nothing(make_tiny
     while engine.has_unfinished():
         engine.step()
     assert [first.output_token_ids, others[0].output_token_ids, others[1].output_token_ids, late.output_token_ids] == expected
+
+
+def test_prompts_prefill_in_one_forward_while_nothing_decodes(make_tiny_model, tiny_tokenizer, monkeypatch):
+    """With no stream to stall, a step prefills up to idle_prefill_chunk tokens; beside a decoding stream, at most
+    prefill_chunk. The outputs are the same either way."""
+    model = make_tiny_model("qwen2")
+    params = SamplingParams(max_tokens=6)
+    long_prompt = [(7 * i) % 250 + 1 for i in range(40)]
+    expected = generate(model, tiny_tokenizer, [[5, 17, 42], long_prompt], params)
+    engine = Engine(model, tiny_tokenizer, max_num_seqs=2, max_model_len=256, prefill_chunk=8, idle_prefill_chunk=64)
+    prefill_sizes = []
+    prefill_step = engine._prefill_step
+    monkeypatch.setattr(engine, "_prefill_step", lambda budget: (prefill_sizes.append(budget), prefill_step(budget))[1])
+    alone = engine.add_request(long_prompt, params)
+    engine.step()
+    assert len(alone.output_token_ids) == 1  # 40 tokens in one step
+    first = engine.add_request([5, 17, 42], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert prefill_sizes[0] == 64 and set(prefill_sizes[1:3]) == {8}
+    assert [first.output_token_ids, alone.output_token_ids] == expected

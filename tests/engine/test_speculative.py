@@ -230,7 +230,7 @@ def test_draft_policy_plans_for_the_requests_about_to_join(make_tiny_model, tiny
     model = make_tiny_model("llama")
     policy = RecordingPolicy(4, max_verify_tokens=32)
     engine = Engine(model, tiny_tokenizer, max_num_seqs=3, max_model_len=256, drafter=NgramDrafter(3, 1),
-                    num_speculative_tokens=4, prefill_chunk=8, draft_policy=policy)
+                    num_speculative_tokens=4, prefill_chunk=8, idle_prefill_chunk=8, draft_policy=policy)
     long_prompt = [(7 * i) % 250 + 1 for i in range(30)]  # 4 chunks of 8
     params = SamplingParams(max_tokens=6)
     engine.add_request([5, 17, 42], params)  # prefilled in the first step, decodes from the second

@@ -73,6 +73,7 @@ class Engine:
         drafter: Drafter | None = None,
         num_speculative_tokens: int = 0,
         prefill_chunk: int = 512,
+        idle_prefill_chunk: int = 2048,
         max_verify_tokens: int = 32,
         draft_policy: DraftLengthPolicy | None = None,
         kv_cache_dtype: torch.dtype | None = None,
@@ -80,7 +81,9 @@ class Engine:
     ) -> None:
         """kv_cache_dtype: torch.float32 or torch.float16; None = the model's default (`Transformer.kv_cache_dtype`).
         prefix_cache_tokens: tokens of earlier requests' keys/values kept for reuse by prompts that start with them
-        (0: no prefix cache)."""
+        (0: no prefix cache). prefill_chunk: prompt tokens per step while other sequences decode (it bounds their
+        stall); idle_prefill_chunk: per step while none does (one forward for most prompts: each forward streams the
+        weights once more, a 700-token Gemma-3-270M prompt took 409 ms in two chunks, 397 ms in one)."""
         if prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         if drafter is not None and num_speculative_tokens < 1:
@@ -96,6 +99,7 @@ class Engine:
         self.draft_policy = draft_policy or BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)
         self.max_verify_tokens = max_verify_tokens
         self.prefill_chunk = prefill_chunk
+        self.idle_prefill_chunk = max(idle_prefill_chunk, prefill_chunk)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.metrics = SpecDecodeMetrics()  # engine-wide; step times counted once per step
@@ -130,21 +134,21 @@ class Engine:
 
     # ---- stepping -------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Decodes every running sequence once, then advances prompts by at most `prefill_chunk` tokens.
+        """Decodes every running sequence once, then advances prompts by at most `prefill_chunk` tokens
+        (`idle_prefill_chunk` when no sequence is decoding: then there is no stream to stall).
 
         Prefill is chunked across steps (unfinished prompts first, then new admissions into free slots), so
         a long or a burst of new prompts never stalls the running streams for more than one chunk.
         """
         decoding = [seq for seq in self.running if seq.output_token_ids and not seq.finished]
         outputs = self._decode_step(decoding) if decoding else []
-        outputs += self._prefill_step()
+        outputs += self._prefill_step(self.prefill_chunk if decoding else self.idle_prefill_chunk)
         for seq in [seq for seq in self.running if seq.finished]:
             self._release(seq)
         return outputs
 
-    def _prefill_step(self) -> list[StepOutput]:
+    def _prefill_step(self, budget: int) -> list[StepOutput]:
         chunks: list[tuple[Sequence, list[int]]] = []
-        budget = self.prefill_chunk
         prefilling = [seq for seq in self.running if seq.prefilling]
         while budget > 0 and (prefilling or (self.waiting and self.cache.free_slots)):
             seq = prefilling.pop(0) if prefilling else self._admit(self.waiting.popleft())
