@@ -3,9 +3,10 @@
 Requests to one server usually share a prefix (the chat template's system turn, a few-shot preamble, a
 document asked about twice). A model whose KV at positions 0 .. L-1 depends only on tokens 0 .. L-1 (every
 causal transformer here; row invariance makes the values bitwise those of a fresh prefill) can copy them
-from an earlier request instead of recomputing them. The draft model uses this for its own cache: its
+from an earlier request instead of recomputing them. The draft model uses this for its own cache (its
 prompt prefill is paid at a request's first draft, and on short answers that prefill is most of what
-speculation costs.
+speculation costs), and the target engine for its own (`prefix_cache_tokens`: a shared system turn, the next
+turn of a chat), both through `PrefixCache`.
 
 Entries are the committed tokens of a request at the time they were saved and, per layer, the keys and
 values of those positions ([kv_heads, length, head_dim] each). The store holds at most `max_tokens` tokens in
@@ -98,10 +99,11 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    """A target engine's prefix cache: a PrefixStore plus the rules and counters of reusing it.
+    """A model's prefix cache (the target engine's, the draft model's): a PrefixStore plus the rules and counters
+    of reusing it.
 
-    A new request copies the longest stored prefix of its prompt into its slot, but never the prompt's last token,
-    whose logits give the first output token. Counters are in tokens, as vLLM's prefix_cache_queries / _hits.
+    A new sequence copies the longest stored prefix of its tokens into its slot, but never its last token, whose
+    logits are needed next. Counters are in tokens, as vLLM's prefix_cache_queries / _hits.
     """
 
     def __init__(self, max_tokens: int, min_match: int = 16) -> None:
@@ -109,11 +111,11 @@ class PrefixCache:
         self.queried_tokens = 0  # prompt tokens of the requests that looked the store up
         self.hit_tokens = 0  # of those, the tokens copied instead of prefilled
 
-    def reuse(self, cache: KVCache, slot: int, prompt_token_ids: Sequence[int]) -> int:
-        """Copies the longest stored prefix of the prompt (at most all but its last token) into positions 0.. of
+    def reuse(self, cache: KVCache, slot: int, token_ids: Sequence[int]) -> int:
+        """Copies the longest stored prefix of token_ids (at most all but the last token) into positions 0.. of
         `slot`; returns how many positions it filled (0: nothing long enough was stored)."""
-        self.queried_tokens += len(prompt_token_ids)
-        entry, length = self.store.longest_match(prompt_token_ids[:-1])
+        self.queried_tokens += len(token_ids)
+        entry, length = self.store.longest_match(token_ids[:-1])
         if entry is None:
             return 0
         self.store.load(cache, slot, entry, length)

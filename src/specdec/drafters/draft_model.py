@@ -21,7 +21,7 @@ first ids of a byte-level BPE vocabulary are its most frequent merges, plus the 
 drafts among them: Qwen2.5-0.5B's tied output layer is 136 M of its 494 M weights, read by every draft forward.
 
 A request's first draft prefills its prompt in the draft model. With `prefix_cache_tokens` > 0 the draft
-cache entries of earlier requests' prompts are kept (`PrefixStore`), and a new request copies the longest
+cache entries of earlier requests' prompts are kept (`PrefixCache`), and a new request copies the longest
 shared prefix (a chat template's system turn, a repeated document) instead of recomputing it; the copied
 entries are bitwise those a prefill would write, so drafts do not change.
 """
@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 from specdec.cache.kv_cache import KVCache
-from specdec.cache.prefix_store import PrefixStore, common_prefix_length
+from specdec.cache.prefix_store import PrefixCache, common_prefix_length
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
 from specdec.engine.batch import ForwardBatch
@@ -85,8 +85,7 @@ class DraftModelDrafter(Drafter):
         self.num_branches = num_branches
         self.min_branch_prob = min_branch_prob
         self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device, dtype=model.kv_cache_dtype)
-        self.prefixes = PrefixStore(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
-        self.reused_prefix_tokens = 0  # draft-cache positions copied from the prefix store instead of computed
+        self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.states: dict[str, _DraftState] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -144,21 +143,24 @@ class DraftModelDrafter(Drafter):
             active = [i for i in active if len(branches[i][0].token_ids) < max_draft_tokens[i]]
         return [self._draft(request_branches, probs) for request_branches, probs in zip(branches, draft_probs)]
 
+    @property
+    def reused_prefix_tokens(self) -> int:
+        """Draft-cache positions copied from the prefix store instead of computed."""
+        return self.prefixes.hit_tokens if self.prefixes is not None else 0
+
     def _reuse_prefix(self, state: _DraftState) -> None:
         """Before a request's first draft forward: copy the longest stored prefix of its committed tokens (all but
         the last, whose logits the draft needs) into its slot."""
         if self.prefixes is None or state.cached_token_ids:
             return
-        entry, length = self.prefixes.longest_match(state.token_ids[:-1])
-        if entry is not None:
-            self.prefixes.load(self.cache, state.slot, entry, length)
+        length = self.prefixes.reuse(self.cache, state.slot, state.token_ids)
+        if length:
             state.cached_token_ids = list(state.token_ids[:length])
-            self.reused_prefix_tokens += length
 
     def _save_prefix(self, state: _DraftState) -> None:
         """After a request's first draft forward its slot holds every committed token: keep them for later requests."""
         if self.prefixes is not None and not state.prefix_saved:
-            self.prefixes.save(self.cache, state.slot, state.cached_token_ids)
+            self.prefixes.keep(self.cache, state.slot, state.cached_token_ids)
             state.prefix_saved = True
 
     def _num_branches(self, state: _DraftState, max_tokens: int) -> int:
