@@ -152,3 +152,32 @@ def test_prompts_prefill_in_one_forward_while_nothing_decodes(make_tiny_model, t
         engine.step()
     assert prefill_sizes[0] == 64 and set(prefill_sizes[1:3]) == {8}
     assert [first.output_token_ids, alone.output_token_ids] == expected
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_prefill_runs_the_last_layer_for_its_logit_rows_only(make_tiny_model, architecture, monkeypatch):
+    """A prefill's rows that need no logits stop after writing the last layer's keys/values; the logit rows and
+    the cache come out bit for bit as from a pass that computes every row."""
+    model = make_tiny_model(architecture)
+    prompts = [TOKENS[:9], TOKENS[3:15], TOKENS[:5]]
+    full_cache, pruned_cache = KVCache(model.config, 3, 64), KVCache(model.config, 3, 64)
+    full = model.forward_hidden(ForwardBatch.build(prompts, [0, 0, 0], [0, 1, 2], all_logits=False), full_cache)
+    mlp_rows = []
+    real_mlp = model._mlp
+    monkeypatch.setattr(model, "_mlp", lambda layer, hidden: mlp_rows.append(hidden.shape[0]) or real_mlp(layer, hidden))
+    batch = ForwardBatch.build(prompts, [0, 0, 0], [0, 1, 2], all_logits=False, last_logits=[True, False, True])
+    logits = model.forward(batch, pruned_cache)
+    assert mlp_rows == [26] * (model.config.num_layers - 1) + [2]
+    assert torch.equal(logits, full.logits[[0, 2]])
+    assert all(torch.equal(a, b) for a, b in zip(full_cache.keys + full_cache.values, pruned_cache.keys + pruned_cache.values))
+    mlp_rows.clear()  # a chunk that ends no prompt: keys/values only, no logits
+    assert model.forward(ForwardBatch.build([[1, 2, 3]], [9], [0], all_logits=False, last_logits=[False]),
+                         pruned_cache).shape == (0, model.config.vocab_size)
+    assert mlp_rows == [3] * (model.config.num_layers - 1)
+
+
+def test_last_logits_needs_one_flag_per_sequence_and_no_all_logits():
+    with pytest.raises(ValueError, match="one flag per sequence"):
+        ForwardBatch.build([[1, 2], [3]], [0, 0], [0, 1], all_logits=False, last_logits=[True])
+    with pytest.raises(ValueError, match="all_logits=False"):
+        ForwardBatch.build([[1, 2]], [0], [0], all_logits=True, last_logits=[True])

@@ -40,16 +40,20 @@ class ForwardBatch:
         all_logits: bool,
         device: torch.device | str = "cpu",
         parents: Sequence[Sequence[int] | None] | None = None,
+        last_logits: Sequence[bool] | None = None,
     ) -> "ForwardBatch":
         """all_logits: logits for every row (verification) or only each sequence's last row (prefill/decode).
 
         parents: per sequence None (a chain) or the parent row of each row (-1 for row 0, then
         0 <= parents[j] < j): a token tree rooted at the sequence's first row.
+        last_logits: without all_logits, per sequence whether its last row's logits are wanted (default: all);
+        a prefill chunk that does not end its prompt wants none.
         """
         parents = parents if parents is not None else [None] * len(token_ids)
         rows = [_rows(start, len(ids), seq_parents) for start, ids, seq_parents in zip(starts, token_ids, parents)]
         positions, cache_positions, prefix_ends, tree_keys = zip(*rows) if rows else ((), (), (), ())
-        return cls.from_rows(token_ids, positions, cache_positions, prefix_ends, tree_keys, slots, device, all_logits)
+        return cls.from_rows(token_ids, positions, cache_positions, prefix_ends, tree_keys, slots, device, all_logits,
+                             last_logits)
 
     @classmethod
     def from_rows(
@@ -62,23 +66,32 @@ class ForwardBatch:
         slots: Sequence[int],
         device: torch.device | str = "cpu",
         all_logits: bool = True,
+        last_logits: Sequence[bool] | None = None,
     ) -> "ForwardBatch":
         """Rows given explicitly, per sequence: for a drafter growing a tree over several forwards, whose rows'
         ancestors were written by earlier forwards (and, through `build`, for chains and whole trees)."""
         counts = tuple(len(ids) for ids in token_ids)
         if any(count == 0 for count in counts):
             raise ValueError("every sequence in a forward batch needs at least one token")
+        if last_logits is not None and (all_logits or len(last_logits) != len(counts)):
+            raise ValueError(f"last_logits needs all_logits=False and one flag per sequence ({len(counts)}), "
+                             f"got all_logits={all_logits} and {len(last_logits)} flags")
         flat = lambda values: [value for seq_values in values for value in seq_values]  # noqa: E731
         as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
         row_slots = [slot for slot, count in zip(slots, counts) for _ in range(count)]
-        logits_rows = torch.arange(sum(counts)) if all_logits else torch.tensor(counts).cumsum(0) - 1
+        if all_logits:
+            logits_rows = torch.arange(sum(counts))
+        else:
+            wanted = [True] * len(counts) if last_logits is None else list(last_logits)
+            ends = torch.tensor(counts).cumsum(0) - 1
+            logits_rows = ends[torch.tensor(wanted, dtype=torch.bool)]
         return cls(as_long(flat(token_ids)), as_long(flat(positions)), as_long(row_slots), counts,
                    logits_rows.to(device), all_logits, as_long(flat(cache_positions)),
                    torch.tensor(flat(prefix_ends), dtype=torch.int32, device=device),
                    _tree_keys([list(keys) for keys in flat(tree_keys)], device))
 
     def split_logits(self, logits: torch.Tensor) -> list[torch.Tensor]:
-        """logits [logit rows, vocab] -> per-sequence [rows_i or 1, vocab]."""
+        """logits [logit rows, vocab] -> per-sequence [rows_i or 1, vocab] (per wanted sequence with last_logits)."""
         return list(logits.split(list(self.row_counts) if self.all_logits else 1))
 
 

@@ -157,9 +157,11 @@ class Engine:
             budget -= len(chunk)
         if not chunks:
             return []
+        ends_prompt = [seq.num_cached + len(chunk) == len(seq.prompt_token_ids) for seq, chunk in chunks]
         batch = ForwardBatch.build([chunk for _, chunk in chunks], [seq.num_cached for seq, _ in chunks],
-                                   [seq.slot for seq, _ in chunks], all_logits=False, device=self.model.device)
-        last_logits, hidden_per_seq = self._forward(batch)  # [len(chunks), vocab]
+                                   [seq.slot for seq, _ in chunks], all_logits=False, device=self.model.device,
+                                   last_logits=ends_prompt)
+        last_logits, hidden_per_seq = self._forward(batch)  # [prompts ended, vocab]
         outputs = []
         for row, (seq, chunk) in enumerate(chunks):
             seq.num_cached += len(chunk)
@@ -168,7 +170,8 @@ class Engine:
             if not seq.prefilling:
                 if self.prefix_cache is not None:  # shared with later prompts while this request runs
                     self.prefix_cache.keep(self.cache, seq.slot, seq.prompt_token_ids)
-                outputs.append(self._first_token(seq, last_logits[row : row + 1]))
+                logits_row = len(outputs)
+                outputs.append(self._first_token(seq, last_logits[logits_row : logits_row + 1]))
         return outputs
 
     def _admit(self, seq: Sequence) -> Sequence:

@@ -89,6 +89,10 @@ class Transformer:
         thetas = {config.layer_rope_theta(i) for i in range(config.num_layers)}
         self.rotary = {theta: RotaryTable(config.head_dim, theta, self.device) for theta in thetas}
         self.qk_shape = QKNormRope(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+        # The last layer's key/value rows of qkv_proj (bit for bit the same weights): a prompt's rows that need no
+        # logits only write keys/values there (see _trunk).
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self._last_kv_proj = self.layers[-1].qkv_proj.rows(torch.arange(q_size, q_size + 2 * kv_size))
 
     def _missing_tensors(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         names = ["embed_tokens", "norm"]
@@ -141,8 +145,8 @@ class Transformer:
     def forward_normed(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """As forward, but stops before the output layer: the final-normed hidden state of the logit rows
         [logit rows, hidden], for a caller with its own rows of the output layer (a reduced draft vocabulary)."""
-        hidden = self._trunk(batch, cache)  # [rows, hidden]
-        return rms_norm(hidden[batch.logits_rows], self.norm, self.config.rms_norm_eps)
+        hidden = self._trunk(batch, cache, batch.logits_rows)  # [logit rows, hidden]
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
@@ -153,38 +157,66 @@ class Transformer:
     def logits(self, normed_hidden: torch.Tensor, lm_head: Linear | None = None) -> torch.Tensor:
         """normed_hidden [rows, hidden] (after the final norm) -> logits [rows, vocab] fp32; lm_head: some rows of
         the output layer instead of all of it (logits [rows, its rows])."""
-        logits = (lm_head or self.lm_head)(normed_hidden)
+        lm_head = lm_head or self.lm_head
+        if normed_hidden.shape[0] == 0:  # a prefill chunk that ends no prompt
+            return normed_hidden.new_empty(0, lm_head.out_features)
+        logits = lm_head(normed_hidden)
         if self.config.final_logit_softcap:
             cap = self.config.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _trunk(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Embedding and every decoder layer: the residual stream [rows, hidden] before the final norm."""
+    def _trunk(self, batch: ForwardBatch, cache: KVCache, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Embedding and every decoder layer: the residual stream [rows, hidden] before the final norm.
+
+        out_rows [n] (the logit rows): the rows whose output is wanted, [n, hidden] returned. Every row still
+        writes its keys/values in every layer, but the last layer computes its query, attention and MLP for
+        these rows only — a prompt's other rows feed nothing after that (as llama.cpp's output-row selection).
+        Each kernel is row-invariant, so the wanted rows come out bit for bit as in a full pass.
+        """
         hidden = self.embed_tokens.embed(batch.token_ids)  # [rows, hidden]
         if self.config.embedding_scale != 1.0:
             hidden = hidden * self.config.embedding_scale
         ranges = self.key_ranges(batch)
         slots32 = batch.slots.to(torch.int32)
         max_position = int(batch.positions.max())
+        last = len(self.layers) - 1
+        if out_rows is not None and out_rows.shape[0] == hidden.shape[0]:
+            out_rows = None  # every row is wanted (decode, verification)
         for index, layer in enumerate(self.layers):
+            rows = out_rows if index == last else None
             attn_out = self._attention(index, layer, hidden, batch, cache, slots32, ranges[self.config.layer_type(index)],
-                                       max_position)
-            hidden = hidden + attn_out
-            hidden = hidden + self._mlp(layer, hidden)
+                                       max_position, rows)
+            hidden = (hidden if rows is None else hidden[rows]) + attn_out
+            if hidden.shape[0]:
+                hidden = hidden + self._mlp(layer, hidden)
         return hidden
 
     def _attention(self, index, layer: DecoderLayer, hidden, batch: ForwardBatch, cache: KVCache, slots32, key_range,
-                   max_position: int):
+                   max_position: int, out_rows: torch.Tensor | None = None):
+        """Attention output [rows, hidden], or [n, hidden] for out_rows [n] (the last layer only: every row's
+        keys/values are still written)."""
         config = self.config
         rows = hidden.shape[0]
-        qkv = layer.qkv_proj(rms_norm(hidden, layer.attn_norm, config.rms_norm_eps))  # [rows, (H + 2 Hkv) * D]
+        normed = rms_norm(hidden, layer.attn_norm, config.rms_norm_eps)  # [rows, hidden]
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        value = qkv[:, q_size + kv_size :].reshape(rows, config.num_kv_heads, config.head_dim)
         cos, sin = self.rotary[config.layer_rope_theta(index)].tables(max_position)  # each [>= max_position + 1, D]
+        if out_rows is None:
+            qkv = layer.qkv_proj(normed)  # [rows, (H + 2 Hkv) * D]
+        else:  # keys/values of every row; the query part left zero (its rows are not read)
+            qkv = torch.cat([normed.new_zeros(rows, q_size), self._last_kv_proj(normed)], dim=1)
+        value = qkv[:, q_size + kv_size :].reshape(rows, config.num_kv_heads, config.head_dim)
         query, key = qk_norm_rope(qkv, self.qk_shape, layer.q_norm, layer.k_norm, cos, sin, batch.positions)
         cache.write(index, batch.slots, batch.cache_positions, key, value)
         key_start, key_end, tree_keys = key_range
+        if out_rows is not None:
+            if out_rows.shape[0] == 0:  # a prefill chunk that ends no prompt: its keys/values are all it gives
+                return hidden.new_zeros(0, hidden.shape[1])
+            query, _ = qk_norm_rope(layer.qkv_proj(normed[out_rows]), self.qk_shape, layer.q_norm, layer.k_norm,
+                                    cos, sin, batch.positions[out_rows])
+            slots32, key_start, key_end = slots32[out_rows], key_start[out_rows], key_end[out_rows]
+            tree_keys = None if tree_keys is None else tree_keys[out_rows]
+            rows = out_rows.shape[0]
         context = attention(query.contiguous(), cache.keys[index], cache.values[index], slots32, key_start, key_end,
                             config.scale, tree_keys)
         out = layer.o_proj(context.reshape(rows, q_size))  # [rows, hidden]
