@@ -39,7 +39,7 @@ from specdec.drafters.base import Draft, Drafter
 from specdec.engine.batch import ForwardBatch
 from specdec.models.layers import Linear
 from specdec.models.transformer import Transformer
-from specdec.verify.sampling import logits_to_probs, sample
+from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample
 
 
 @dataclass
@@ -181,7 +181,7 @@ class DraftModelDrafter(Drafter):
                 draft_probs.append(probs)
             return
         probs = torch.softmax(logits.float(), dim=-1)  # [branches, vocab]
-        best = logits.argmax(dim=-1).tolist()  # the chain's choice (ties: the first index)
+        best = greedy_tokens(logits).tolist()  # the chain's choice (ties: the first index)
         top2_probs, top2_ids = probs.topk(2, dim=-1)  # each [branches, 2]
         offers = []  # (worth, branch index, runner-up token)
         for index, (branch, best_id) in enumerate(zip(branches, best)):
@@ -235,7 +235,7 @@ class DraftModelDrafter(Drafter):
     def _draft_token(state: _DraftState, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """logits [1, vocab] -> (draft token, its draft distribution [1, vocab] or None for greedy)."""
         if state.params.greedy:
-            return int(logits[0].argmax()), None
+            return int(greedy_tokens(logits)[0]), None
         probs = logits_to_probs(logits, state.params)  # [1, vocab]
         return int(sample(probs, state.generator)[0]), probs
 

@@ -18,7 +18,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, HiddenStateDrafter, check_propose_args, unknown_request_error
 from specdec.heads.modules import EagleHead, MedusaHeads, TargetParts
-from specdec.verify.sampling import logits_to_probs, sample
+from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample
 
 
 @dataclass
@@ -88,7 +88,7 @@ class HeadDrafter(HiddenStateDrafter):
     def _draft_token(self, state: _HeadState, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """logits [1, draft vocab] -> (target token id, its draft distribution over the full vocabulary or None)."""
         if state.params.greedy:
-            return int(self.parts.draft_token_ids[int(logits[0].argmax())]), None
+            return int(self.parts.draft_token_ids[int(greedy_tokens(logits)[0])]), None
         probs = logits_to_probs(logits, state.params)  # [1, draft vocab]
         row = int(sample(probs, state.generator)[0])
         full = torch.zeros(1, self.vocab_size, device=probs.device)

@@ -32,7 +32,7 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
 from specdec.verify.rejection import VerifyResult, verify_greedy, verify_rejection
 from specdec.verify.tree import TreeVerifyResult, verify_greedy_tree
-from specdec.verify.sampling import logits_to_probs, make_generator, sample
+from specdec.verify.sampling import greedy_tokens, logits_to_probs, make_generator, sample
 
 EMPTY_DRAFT = Draft(token_ids=(), draft_probs=None)
 
@@ -200,7 +200,7 @@ class Engine:
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         """logits [1, vocab] -> one token, exactly as plain decoding samples it."""
         if seq.params.greedy:
-            return int(logits[0].argmax())
+            return int(greedy_tokens(logits)[0])
         return int(sample(logits_to_probs(logits, seq.params), seq.generator)[0])
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepOutput]:

@@ -3,6 +3,7 @@
 from specdec.kernels.ops import (
     QKNormRope,
     QuantizedWeight,
+    argmax_rows,
     attention,
     build_kernels,
     embedding,
@@ -18,6 +19,7 @@ from specdec.kernels.ops import (
 __all__ = [
     "QKNormRope",
     "QuantizedWeight",
+    "argmax_rows",
     "attention",
     "build_kernels",
     "embedding",

@@ -352,6 +352,28 @@ inline float gated_scalar(float x, float up, bool gelu) {
 }  // namespace
 
 // --------------------------------------------------------------------------
+// One piece of a row's argmax: its largest value, the first index holding it (offset added) and whether a NaN
+// was seen (the caller then leaves the row to torch.argmax, whose NaN rule it keeps).
+struct ArgmaxPart {
+  float value;
+  int64_t index;
+  bool nan;
+};
+
+ArgmaxPart argmax_range_scalar(const float* x, int64_t n, int64_t offset) {
+  ArgmaxPart part{x[0], 0, std::isnan(x[0])};
+  for (int64_t j = 1; j < n; ++j) {
+    if (std::isnan(x[j])) {
+      part.nan = true;
+    } else if (x[j] > part.value) {
+      part.value = x[j];
+      part.index = j;
+    }
+  }
+  part.index += offset;
+  return part;
+}
+
 // AVX-512 VNNI path
 
 #ifdef SPECDEC_X86
@@ -894,6 +916,45 @@ inline void gated_row_avx(const float* gate, const float* up, int64_t n, bool ge
   for (; j < n; ++j) out[j] = gated_scalar(gate[j], up[j], gelu);
 }
 
+// argmax_range_scalar's answer, 16 lanes at a time: each lane keeps its first maximum (strictly greater
+// replaces), the lanes are then reduced by value and, among equal values, by the smallest index; the tail
+// (indices above every lane's) replaces only when strictly greater.
+ArgmaxPart argmax_range_avx(const float* x, int64_t n, int64_t offset) {
+  if (n < 16) return argmax_range_scalar(x, n, offset);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 best = _mm512_loadu_ps(x);
+  __m512i best_index = lanes;
+  __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+  int64_t j = 16;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, greater, v);
+    best_index = _mm512_mask_mov_epi32(best_index, greater, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(j))));
+    nan = static_cast<__mmask16>(nan | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q));
+  }
+  alignas(64) float values[16];
+  alignas(64) int32_t indices[16];
+  _mm512_store_ps(values, best);
+  _mm512_store_si512(indices, best_index);
+  ArgmaxPart part{values[0], indices[0], nan != 0};
+  for (int l = 1; l < 16; ++l)
+    if (values[l] > part.value || (values[l] == part.value && indices[l] < part.index)) {
+      part.value = values[l];
+      part.index = indices[l];
+    }
+  for (; j < n; ++j) {
+    if (std::isnan(x[j])) {
+      part.nan = true;
+    } else if (x[j] > part.value) {
+      part.value = x[j];
+      part.index = j;
+    }
+  }
+  part.index += offset;
+  return part;
+}
+
 }  // namespace
 #pragma GCC pop_options
 #endif
@@ -1286,6 +1347,55 @@ torch::Tensor gated_activation(const torch::Tensor& gate_up_in, const std::strin
   return out;
 }
 
+// Row-wise argmax of x [R, V] fp32 -> int64 [R]: the first index of the row's maximum, torch.argmax's rule (a
+// row holding a NaN is left to torch.argmax). Rows are cut into pieces that the threads share; a row's pieces
+// are combined in index order, so the answer does not depend on the threads.
+torch::Tensor argmax_rows(const torch::Tensor& x_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) > 0,
+              "argmax_rows: x must be [R, V] fp32 with V > 0");
+  TORCH_CHECK(x_in.size(1) < (int64_t(1) << 31), "argmax_rows: V must fit in int32");
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  constexpr int64_t kPiece = 16384;
+  const int64_t pieces = (V + kPiece - 1) / kPiece;
+  std::vector<ArgmaxPart> parts(R * pieces);
+  const float* xp = x.data_ptr<float>();
+  const bool avx = use_avx();
+  auto run = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / pieces, a = (t % pieces) * kPiece, n = std::min(kPiece, V - a);
+#ifdef SPECDEC_X86
+      if (avx) {
+        parts[t] = argmax_range_avx(xp + r * V + a, n, a);
+        continue;
+      }
+#endif
+      parts[t] = argmax_range_scalar(xp + r * V + a, n, a);
+    }
+  };
+  if (R * V < (1 << 16)) {
+    run(0, R * pieces);
+  } else {
+    at::parallel_for(0, R * pieces, 1, run);
+  }
+  (void)avx;
+  torch::Tensor out = torch::empty({R}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    ArgmaxPart best = parts[r * pieces];
+    for (int64_t p = 1; p < pieces; ++p) {
+      const ArgmaxPart& part = parts[r * pieces + p];
+      best.nan = best.nan || part.nan;
+      if (part.value > best.value) {
+        best.value = part.value;
+        best.index = part.index;
+      }
+    }
+    op[r] = best.nan ? x[r].argmax().item<int64_t>() : best.index;
+  }
+  return out;
+}
+
 void set_force_scalar(bool v) { g_force_scalar = v; }
 
 // how many distinct threads at::parallel_for hands n single-item chunks to (a build without OpenMP: 1)
@@ -1311,6 +1421,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "row-wise RMS norm (row invariant)");
   m.def("qk_norm_rope", &qk_norm_rope, "split q/k from fused qkv, optional QK-norm, rotate-half RoPE");
   m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate_up projection (elementwise)");
+  m.def("argmax_rows", &argmax_rows, "row-wise argmax, the first index of the maximum (torch.argmax's rule)");
   m.def("set_force_scalar", &set_force_scalar);
   m.def("parallel_threads", &parallel_threads, "distinct threads at::parallel_for uses for n items");
   m.def("isa", &isa);

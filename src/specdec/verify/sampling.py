@@ -8,11 +8,12 @@ from __future__ import annotations
 import torch
 
 from specdec.config import SamplingParams
+from specdec.kernels import argmax_rows
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Argmax per row; the first index wins ties. logits [n, vocab] -> token ids [n]."""
-    return torch.argmax(logits, dim=-1)
+    return argmax_rows(logits)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
