@@ -19,10 +19,10 @@ def test_split_methods_keeps_json_commas():
 def test_parse_methods_defaults_and_overrides():
     specs = parse_methods(['ngram,ngram:{"num_speculative_tokens":7},suffix,draft_model'], "qwen2.5-coder-1.5b-instruct")
     assert [spec.label for spec in specs] == ["none", "ngram", "ngram-2", "suffix", "draft_model"]
-    assert specs[1].config == {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+    assert specs[1].config == {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 4,
                                "prompt_lookup_min": 2}
     assert specs[2].config["num_speculative_tokens"] == 7
-    assert specs[3].config["num_speculative_tokens"] == 8
+    assert specs[3].config["num_speculative_tokens"] == 16
     assert specs[4].config == {"method": "draft_model", "num_speculative_tokens": 4,
                                "model": "qwen2.5-coder-0.5b-instruct"}
     labelled = parse_methods(['none,suffix:{"label":"suffix-k4","num_speculative_tokens":4}'], "m")

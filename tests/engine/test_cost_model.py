@@ -120,7 +120,8 @@ def test_forward_timings_interleave_the_row_counts(make_tiny_model):
     model.forward = recording_forward
     seconds = cost_model.forward_seconds(model, KVCache(model.config, 2, 32, model.device), 1, 8, 3, repeats=2)
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
-    assert rows_seen == [8] + [1, 2, 3] + [1, 2, 3] * 2  # prefill, warm-ups, then two interleaved rounds
+    # prefill, warm-ups, then two rounds in which every n is timed right after one row
+    assert rows_seen == [8] + [1, 2, 3] + [1, 1, 1, 2, 1, 3] * 2
 
 
 def test_adaptive_policy_measures_and_caches_a_missing_profile(make_tiny_model, tmp_path, monkeypatch):

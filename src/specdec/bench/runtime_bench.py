@@ -40,8 +40,8 @@ def peak_rss_mb() -> float:
 
 
 def forward_cost_curve(llm: LLM, context: int, max_rows: int, repeats: int) -> dict[int, float]:
-    """Median seconds of one forward of n new tokens after `context` cached tokens, n = 1..max_rows (row
-    counts interleaved in `repeats` rounds, see `cost_model.forward_seconds`)."""
+    """Seconds of one forward of n new tokens after `context` cached tokens, n = 1..max_rows (each n
+    paired with a one-row forward in `repeats` rounds, see `cost_model.forward_seconds`)."""
     engine = llm.engine
     slot = engine.cache.allocate()
     try:

@@ -239,7 +239,7 @@ class CostCalibration:
 
 
 # ---- measuring and caching --------------------------------------------------------------------------------
-def measure_forward_costs(model, max_rows: int = MAX_PROFILE_ROWS, context: int = 128, repeats: int = 3) -> ForwardCosts:
+def measure_forward_costs(model, max_rows: int = MAX_PROFILE_ROWS, context: int = 128, repeats: int = 5) -> ForwardCosts:
     """T(n) for n = 1..max_rows (`forward_seconds` in a cache of its own), made monotone.
 
     model: a specdec Transformer. Rows of one sequence stand for the rows of a batch: the weights are streamed
@@ -252,10 +252,14 @@ def measure_forward_costs(model, max_rows: int = MAX_PROFILE_ROWS, context: int 
 
 
 def forward_seconds(model, cache, slot: int, context: int, max_rows: int, repeats: int) -> list[float]:
-    """Median seconds of one forward of n new tokens of one sequence after `context` cached tokens (random
-    token ids, prefilled into `slot` first), n = 1..max_rows. The row counts are interleaved, `repeats`
-    rounds of n = 1..max_rows, so a slow spell of the machine touches every n alike instead of bending
-    the curve."""
+    """Seconds of one forward of n new tokens of one sequence after `context` cached tokens (random token ids,
+    prefilled into `slot` first), n = 1..max_rows.
+
+    Each of `repeats` rounds walks n = 1..max_rows and times a forward of 1 row right before each forward of n
+    rows: T(n) = median T(1) · median of the paired ratios T(n) / T(1). A slow spell of the machine (another
+    process on the cores) then scales both sides of a ratio instead of bending the curve — measured here, three
+    unpaired rounds once put T(9) / T(1) at 1.88 against 1.47 idle, and the policy planned shorter drafts with it.
+    """
     from specdec.engine.batch import ForwardBatch
 
     generator = torch.Generator().manual_seed(0)
@@ -265,15 +269,23 @@ def forward_seconds(model, cache, slot: int, context: int, max_rows: int, repeat
                                   device=model.device) for rows in range(1, max_rows + 1)]
     for batch in batches:
         model.forward(batch, cache)  # warm-up
-    times: list[list[float]] = [[] for _ in batches]
+    one_row_times: list[float] = []
+    ratios: list[list[float]] = [[] for _ in batches]
     for _ in range(repeats):
-        for batch, batch_times in zip(batches, times):
-            _sync(model.device)
-            start = time.perf_counter()
-            model.forward(batch, cache)
-            _sync(model.device)
-            batch_times.append(time.perf_counter() - start)
-    return [statistics.median(batch_times) for batch_times in times]
+        for batch, batch_ratios in zip(batches, ratios):
+            one_row = _timed_forward(model, batches[0], cache)
+            one_row_times.append(one_row)
+            batch_ratios.append(_timed_forward(model, batch, cache) / one_row)
+    one_row_s = statistics.median(one_row_times)
+    return [one_row_s * statistics.median(batch_ratios) for batch_ratios in ratios]
+
+
+def _timed_forward(model, batch, cache) -> float:
+    _sync(model.device)
+    start = time.perf_counter()
+    model.forward(batch, cache)
+    _sync(model.device)
+    return time.perf_counter() - start
 
 
 def monotone(seconds: SequenceOf[float]) -> tuple[float, ...]:
@@ -328,6 +340,7 @@ class ProfileKey:
     threads: int
     machine: str
     kernels: str = "torch"  # kernels.ops.kernel_build_id(): a rebuilt kernel measures afresh
+    protocol: int = 2  # how T(n) is measured (2: paired ratios, see forward_seconds): a new one measures afresh
 
     @classmethod
     def current(cls, model_name_or_path: str, weight_format: str, device: str | torch.device = "cpu") -> ProfileKey:
