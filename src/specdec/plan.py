@@ -324,7 +324,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from specdec.engine.cost_model import ProfileKey, load_or_measure, measure_forward_costs, save_profile
+    from specdec.engine.cost_model import ProfileKey, load_or_measure, measure_cost_profile, save_profile
     from specdec.runtime import configure_threads, load_model
 
     if args.batch < 1 or args.max_k < 0 or (args.alpha is not None and not 0 <= args.alpha <= 1):
@@ -337,9 +337,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     forward = None
     if args.measure or hardware is None:
         key = ProfileKey.current(args.model, args.weight_format)
-        forward = measure_forward_costs(model) if args.measure else load_or_measure(model, key)
+        profile = measure_cost_profile(model) if args.measure else load_or_measure(model, key)
+        forward = profile.forward
         if args.measure:
-            print(f"[profile saved to {save_profile(key, forward)}]", file=sys.stderr)
+            print(f"[profile saved to {save_profile(key, profile)}]", file=sys.stderr)
     alpha, per_position = (args.alpha if args.alpha is not None else 0.7), []
     if args.measure:
         alpha, per_position = measure_alpha(model, tokenizer, Path(args.data))

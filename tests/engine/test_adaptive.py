@@ -210,6 +210,18 @@ class RecordingPolicy(BatchDraftPolicy):
         self.costs.append(cost)
 
 
+def test_first_observations_replace_the_prior_as_a_running_mean():
+    """The prior counts as one observation: the n-th step weighs max(weight, 1 / (n + 1)), so a request's own
+    first steps outweigh the prior quickly, and later steps average over about 1 / weight of them."""
+    estimate = AcceptanceEstimate(prior=0.7, weight=0.2)
+    metrics = SpecDecodeMetrics()
+    expected = [0.85, 0.9, 0.925, 0.94]  # weights 1/2, 1/3, 1/4, then 0.2
+    for value in expected:
+        metrics.record_step(1, 1)
+        estimate.update(metrics)
+        assert estimate.alpha(0) == pytest.approx(value)
+
+
 def test_engine_reports_each_decode_step_cost(make_tiny_model, tiny_tokenizer):
     from specdec.engine.engine import Engine
 
@@ -225,6 +237,7 @@ def test_engine_reports_each_decode_step_cost(make_tiny_model, tiny_tokenizer):
     for cost in policy.costs:
         assert cost.rows == len(cost.draft_lengths) + sum(cost.draft_lengths)
         assert cost.target_s > 0 and cost.draft_s >= 0
+        assert len(cost.contexts) == len(cost.draft_lengths) and all(context >= 4 for context in cost.contexts)
 
 
 def test_first_drafts_and_reprobes_do_not_count_as_drafter_cost(tiny_tokenizer):

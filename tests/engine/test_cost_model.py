@@ -3,7 +3,16 @@ batch-aware row budget (knee of T), and the JSON profile cache."""
 import pytest
 
 from specdec.engine import cost_model
-from specdec.engine.cost_model import CostModel, DrafterCost, ForwardCosts, ProfileKey, expected_accepted_length
+from specdec.engine.cost_model import (
+    ContextCosts,
+    CostCalibration,
+    CostModel,
+    CostProfile,
+    DrafterCost,
+    ForwardCosts,
+    ProfileKey,
+    expected_accepted_length,
+)
 
 FLAT = ForwardCosts.linear(0.010, 0.0)  # T(n) = 10 ms for n = 1..32
 STEEP = ForwardCosts.linear(0.010, 0.5)  # every extra row costs half a decode step
@@ -92,9 +101,12 @@ def test_profile_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     key = ProfileKey("tiny@files:abc", "q8", 2, "Some CPU")
     assert cost_model.load_profile(key) is None
-    path = cost_model.save_profile(key, ForwardCosts((0.01, 0.011)))
+    path = cost_model.save_profile(key, CostProfile(ForwardCosts((0.01, 0.011))))
     assert path.parent == tmp_path / "specdec" / "costs" and path.suffix == ".json"
-    assert cost_model.load_profile(key) == ForwardCosts((0.01, 0.011))
+    assert cost_model.load_profile(key) == CostProfile(ForwardCosts((0.01, 0.011)))
+    with_context = CostProfile(ForwardCosts((0.01, 0.011)), ContextCosts(128, (1e-6, 2e-6)))
+    cost_model.save_profile(key, with_context)
+    assert cost_model.load_profile(key) == with_context
     other = ProfileKey("tiny@files:abc", "q8", 4, "Some CPU")  # another thread count: another profile
     assert cost_model.load_profile(other) is None
 
@@ -146,3 +158,44 @@ def test_adaptive_policy_measures_and_caches_a_missing_profile(make_tiny_model, 
     second = _cached_cost_model(model, None, "tiny-llama", "q8", 32)
     assert len(measured) == 1 and second.forward == first.forward
     assert _cached_cost_model(model, None, None, "q8", 32).knee_ratio == float("inf")  # no name: the fallback
+
+
+def test_context_costs_grow_with_context_and_rows():
+    context = ContextCosts(128, (1e-6, 2e-6, 4e-6))
+    assert context(1, 100) == 0.0 and context(1, 128) == 0.0  # the profile's T(n) already holds 128 tokens
+    assert context(2, 628) == pytest.approx(500 * 2e-6)
+    assert context(5, 228) == pytest.approx(100 * 8e-6)  # beyond the measured rows: the last slope (2e-6 per row)
+    assert context.scaled(2.0)(3, 228) == pytest.approx(100 * 8e-6)
+    with pytest.raises(ValueError):
+        ContextCosts(128, (1e-6, -1e-6))
+
+
+def test_long_contexts_shorten_the_draft():
+    """Rows that each attend a long context cost more: the same acceptance buys a shorter draft there (and the
+    model without context costs plans the same k at any context)."""
+    rows_cost = ForwardCosts.linear(0.010, 0.02)  # 2 % of a decode step per extra row at the base context
+    attention = ContextCosts(128, tuple(2e-6 * n for n in range(1, 33)))  # + 2 µs per row and context token
+    with_context = CostModel(rows_cost, context=attention)
+    short = with_context.allocate([0.8], 1, 16, contexts=[128])[0]
+    long = with_context.allocate([0.8], 1, 16, contexts=[2000])[0]
+    assert long < short
+    assert CostModel(rows_cost).allocate([0.8], 1, 16, contexts=[2000])[0] == short
+    assert with_context.step_seconds([4], 1, [2000]) == pytest.approx(rows_cost(5) + 1872 * 2e-6 * 5)
+
+
+def test_calibration_counts_the_context_of_a_step():
+    """A step that costs exactly what the profile says at its context leaves the level at 1."""
+    model = CostModel(ForwardCosts.linear(0.010, 0.05), context=ContextCosts(128, tuple(1e-6 * n for n in range(1, 33))))
+    calibration = CostCalibration()
+    calibration.observe(model, 9, (8,), None, model.target_seconds(9, (8,), (1128,)), (1128,))
+    assert calibration.target_scale == pytest.approx(1.0)
+    scaled = calibration.apply(model)
+    assert scaled.context == model.context
+
+
+def test_measure_context_costs_on_tiny_model(make_tiny_model):
+    model = make_tiny_model("llama")
+    forward = cost_model.measure_forward_costs(model, max_rows=10, context=8, repeats=1)
+    context = cost_model.measure_context_costs(model, forward, base_context=8, long_context=64, repeats=1)
+    assert context.base_context == 8 and len(context.per_token_s) == 8  # rows 1..8 (timed: 1, 2, 4, 8)
+    assert all(a <= b for a, b in zip(context.per_token_s, context.per_token_s[1:]))

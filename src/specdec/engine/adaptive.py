@@ -32,6 +32,7 @@ class AcceptanceEstimate:
     prior: float
     weight: float  # EMA weight of one observation
     alphas: list[float] = field(default_factory=list)  # [max_k]
+    observations: list[int] = field(default_factory=list)  # [max_k] steps folded in per position
     seen_drafted: list[int] = field(default_factory=list)  # metrics counters at the last update
     seen_accepted: list[int] = field(default_factory=list)
     steps_at_zero: int = 0
@@ -64,10 +65,16 @@ class AcceptanceEstimate:
                 self._observe(i, accepted[i] / reached, reached)
 
     def _observe(self, position: int, rate: float, count: int) -> None:
+        """Folds in `count` steps with acceptance `rate` at `position`: each step weighs max(weight, 1 / (n + 2))
+        for the n-th observation (the prior counting as one), so the first steps replace the prior as a running
+        mean would, and later ones average over about 1 / weight recent steps."""
         while len(self.alphas) <= position:
             self.alphas.append(self.prior)
-        keep = (1 - self.weight) ** count
-        self.alphas[position] = keep * self.alphas[position] + (1 - keep) * rate
+            self.observations.append(0)
+        for _ in range(count):
+            step_weight = max(self.weight, 1 / (self.observations[position] + 2))
+            self.alphas[position] += step_weight * (rate - self.alphas[position])
+            self.observations[position] += 1
 
 
 def _delta(now: list[int], before: list[int]) -> list[int]:
@@ -118,14 +125,15 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         keep a draft model switched off.
         """
         draft_s = cost.draft_s if self._steady_drafting else None
-        self.calibration.observe(self.base_cost_model, cost.rows, cost.draft_lengths, draft_s, cost.target_s)
+        self.calibration.observe(self.base_cost_model, cost.rows, cost.draft_lengths, draft_s, cost.target_s,
+                                 cost.contexts)
         self.cost_model = self.calibration.apply(self.base_cost_model)
 
     def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int) -> list[int]:
         estimates = [self.estimate(seq) for seq in seqs]
         self._forget_others(seqs)
         lengths = self.cost_model.allocate([e.table(self.max_draft_tokens) for e in estimates], batch_size,
-                                           self.max_draft_tokens, self.max_rows)
+                                           self.max_draft_tokens, self.max_rows, [seq.num_cached for seq in seqs])
         lengths = self._reprobe(lengths, estimates, batch_size)
         self._steady_drafting = all(e.last_draft_length > 0 for e, k in zip(estimates, lengths) if k > 0)
         for estimate, k in zip(estimates, lengths):
@@ -176,14 +184,14 @@ def _cached_cost_model(target, drafter, model_name: str | None, weight_format: s
     from specdec.drafters.heads import HeadDrafter
     from specdec.engine.cost_model import DrafterCost, ProfileKey, load_or_measure
 
-    forward = None
+    profile = None
     if model_name is not None and target is not None:
         try:
             key = ProfileKey.current(model_name, weight_format, target.device)
         except (OSError, ValueError):
             key = None
-        forward = load_or_measure(target, key) if key is not None else None
-    t1 = forward(1) if forward is not None else 1.0  # the fallback's time unit is T(1)
+        profile = load_or_measure(target, key) if key is not None else None
+    t1 = profile.forward(1) if profile is not None else 1.0  # the fallback's time unit is T(1)
     drafter_cost = DrafterCost()  # ngram / suffix lookups: measured ≈ 0 next to a forward
     if isinstance(drafter, DraftModelDrafter) and target is not None:
         # decode is memory-bound: the draft's T(1) ≈ the target's T(1) scaled by the weight bytes streamed
@@ -194,6 +202,6 @@ def _cached_cost_model(target, drafter, model_name: str | None, weight_format: s
         per_forward = t1 * drafter.weight_nbytes / max(1, target.weight_nbytes)
         per_token = per_forward if drafter.forward_per_draft_token else 0.0
         drafter_cost = DrafterCost(per_token_s=per_token, per_step_s=per_forward, batched=True)
-    if forward is None:
+    if profile is None:
         return CostModel.fallback(max_verify_tokens, drafter_cost)
-    return CostModel(forward, drafter_cost)
+    return CostModel(profile.forward, drafter_cost, context=profile.context)

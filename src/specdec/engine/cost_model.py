@@ -99,6 +99,47 @@ class ForwardCosts:
 
 
 @dataclass(frozen=True)
+class ContextCosts:
+    """What a sequence's cached context adds to a forward beyond the profile's `base_context`: per_token_s[n - 1]
+    seconds per context token for a sequence with n rows in the forward (its attention reads the keys/values once
+    and, for each of its rows, does arithmetic over them — NVIDIA's "decode-attention intensity grows with D").
+    Measured as (T(n) after long_context tokens − T(n) after base_context tokens) / (long_context − base_context).
+    """
+
+    base_context: int
+    per_token_s: tuple[float, ...]  # [n - 1], n = 1..len
+
+    def __post_init__(self) -> None:
+        if not self.per_token_s or any(s < 0 for s in self.per_token_s) or self.base_context < 0:
+            raise ValueError(f"ContextCosts needs per-token seconds >= 0 for n = 1..N, got {self.per_token_s}")
+
+    def __call__(self, rows: int, context: int) -> float:
+        """Extra seconds of a sequence with `rows` rows after `context` cached tokens (0 up to base_context);
+        beyond the measured rows, growing linearly with the last measured slope."""
+        extra_tokens = context - self.base_context
+        if extra_tokens <= 0:
+            return 0.0
+        n = len(self.per_token_s)
+        if rows <= n:
+            per_token = self.per_token_s[rows - 1]
+        else:
+            slope = self.per_token_s[-1] - self.per_token_s[-2] if n > 1 else 0.0
+            per_token = self.per_token_s[-1] + max(0.0, slope) * (rows - n)
+        return extra_tokens * per_token
+
+    def scaled(self, factor: float) -> ContextCosts:
+        return ContextCosts(self.base_context, tuple(s * factor for s in self.per_token_s))
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """A model's measured costs on this machine: T(n) after a short context, and what longer contexts add."""
+
+    forward: ForwardCosts
+    context: ContextCosts | None = None
+
+
+@dataclass(frozen=True)
 class DrafterCost:
     """Seconds the drafter spends per step.
 
@@ -127,6 +168,7 @@ class CostModel:
     forward: ForwardCosts
     drafter: DrafterCost = field(default_factory=DrafterCost)
     knee_ratio: float = 2.0
+    context: ContextCosts | None = None  # None: T(n) whatever the sequences' contexts
 
     @classmethod
     def fallback(cls, max_verify_tokens: int = 32, drafter: DrafterCost | None = None) -> CostModel:
@@ -140,9 +182,17 @@ class CostModel:
         """The knee: most token rows one step verifies."""
         return self.forward.knee(self.knee_ratio)
 
-    def step_seconds(self, draft_lengths: SequenceOf[int], batch_size: int) -> float:
-        """batch_size counts every sequence in the step (speculating or not)."""
-        return self.forward(batch_size + sum(draft_lengths)) + self.drafter(draft_lengths)
+    def target_seconds(self, rows: int, draft_lengths: SequenceOf[int], contexts: SequenceOf[int] | None = None) -> float:
+        """The target forward of a step: T(rows), plus each sequence's context cost for its k + 1 rows when
+        contexts (cached tokens per sequence of draft_lengths) are given."""
+        seconds = self.forward(rows)
+        if self.context is not None and contexts:
+            seconds += sum(self.context(k + 1, context) for k, context in zip(draft_lengths, contexts))
+        return seconds
+
+    def step_seconds(self, draft_lengths: SequenceOf[int], batch_size: int, contexts: SequenceOf[int] | None = None) -> float:
+        """batch_size counts every sequence in the step (speculating or not); contexts: see target_seconds."""
+        return self.target_seconds(batch_size + sum(draft_lengths), draft_lengths, contexts) + self.drafter(draft_lengths)
 
     def expected_tokens_per_s(self, k: int, alpha_per_position: float | SequenceOf[float], batch: int = 1) -> float:
         """B sequences all drafting k with the same α: B · E(k) / (T(B · (k + 1)) + draft_cost(k, B))."""
@@ -154,19 +204,20 @@ class CostModel:
         return self.allocate([alpha_per_position] * batch, batch, max_k)[0] if batch else 0
 
     def allocate(self, alphas: SequenceOf[float | SequenceOf[float]], batch_size: int, max_k: int | SequenceOf[int],
-                 max_rows: int | None = None) -> list[int]:
+                 max_rows: int | None = None, contexts: SequenceOf[int] | None = None) -> list[int]:
         """Draft length per speculating sequence maximising the step's expected tokens per second.
 
         For a fixed total of draft rows R, sum_b E_b is largest when each next row goes to the sequence whose
         next position adds most (prod_{j<=k_b} α_{b,j}; it shrinks as k_b grows, so greedy is optimal).
         Walking R = 0, 1, ... while batch_size + R stays within the knee (and max_rows), keep the R with the
-        best speed (ties: fewer rows).
+        best speed (ties: fewer rows). contexts: cached tokens per speculating sequence (rows cost more at long
+        contexts, see ContextCosts).
         """
         row_limit = self.max_rows if max_rows is None else min(self.max_rows, max_rows)
         caps = [max_k] * len(alphas) if isinstance(max_k, int) else list(max_k)
         lengths, reach = [0] * len(alphas), [1.0] * len(alphas)
         tables = [_alphas(a, cap) for a, cap in zip(alphas, caps)]
-        best, best_speed, tokens = list(lengths), len(alphas) / self.step_seconds(lengths, batch_size), float(len(alphas))
+        best, best_speed, tokens = list(lengths), len(alphas) / self.step_seconds(lengths, batch_size, contexts), float(len(alphas))
         while batch_size + sum(lengths) < row_limit:
             gains = [reach[b] * tables[b][lengths[b]] if lengths[b] < caps[b] else -1.0 for b in range(len(alphas))]
             b = max(range(len(alphas)), key=gains.__getitem__, default=None)
@@ -175,7 +226,7 @@ class CostModel:
             lengths[b] += 1
             reach[b] = gains[b]
             tokens += gains[b]
-            speed = tokens / self.step_seconds(lengths, batch_size)
+            speed = tokens / self.step_seconds(lengths, batch_size, contexts)
             if speed > best_speed * (1 + 1e-9):
                 best, best_speed = list(lengths), speed
         return best
@@ -209,10 +260,11 @@ class CostCalibration:
     draft_per_token_s: float | None = None
 
     def observe(self, base: CostModel, rows: int, draft_lengths: SequenceOf[int], draft_s: float | None,
-                target_s: float) -> None:
-        """draft_s None: the step's drafter time is not representative (the drafter estimate stays)."""
+                target_s: float, contexts: SequenceOf[int] | None = None) -> None:
+        """draft_s None: the step's drafter time is not representative (the drafter estimate stays).
+        contexts: cached tokens per sequence of draft_lengths (the model's context costs count them)."""
         if target_s > 0:
-            measured = target_s / base.forward(rows)
+            measured = target_s / base.target_seconds(rows, draft_lengths, contexts)
             self.target_scale = measured if self.target_scale is None else self._average(self.target_scale, measured)
         drafted = (max(draft_lengths) if base.drafter.batched else sum(draft_lengths)) if draft_lengths else 0
         if drafted > 0 and draft_s is not None and draft_s >= 0:
@@ -226,16 +278,17 @@ class CostCalibration:
 
     def apply(self, base: CostModel) -> CostModel:
         """The base model with measured levels (unchanged until something was measured)."""
-        forward = base.forward
+        forward, context = base.forward, base.context
         if self.target_scale is not None:
             forward = ForwardCosts(tuple(seconds * self.target_scale for seconds in base.forward.seconds))
+            context = None if context is None else context.scaled(self.target_scale)
         drafter = base.drafter
         if self.draft_per_token_s is not None:
             drafter = DrafterCost(per_token_s=self.draft_per_token_s, per_step_s=0.0, batched=base.drafter.batched)
         elif self.target_scale is not None:  # not measured yet: the profile's estimate at the measured level
             drafter = dataclasses.replace(drafter, per_token_s=drafter.per_token_s * self.target_scale,
                                           per_step_s=drafter.per_step_s * self.target_scale)
-        return dataclasses.replace(base, forward=forward, drafter=drafter)
+        return dataclasses.replace(base, forward=forward, drafter=drafter, context=context)
 
 
 # ---- measuring and caching --------------------------------------------------------------------------------
@@ -251,11 +304,47 @@ def measure_forward_costs(model, max_rows: int = MAX_PROFILE_ROWS, context: int 
     return ForwardCosts(monotone(forward_seconds(model, cache, 0, context, max_rows, repeats)))
 
 
-def forward_seconds(model, cache, slot: int, context: int, max_rows: int, repeats: int) -> list[float]:
-    """Seconds of one forward of n new tokens of one sequence after `context` cached tokens (random token ids,
-    prefilled into `slot` first), n = 1..max_rows.
+CONTEXT_PROFILE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)  # row counts timed at the long context (interpolated between)
 
-    Each of `repeats` rounds walks n = 1..max_rows and times a forward of 1 row right before each forward of n
+
+def measure_context_costs(model, forward: ForwardCosts, base_context: int = 128, long_context: int = 1024,
+                          repeats: int = 3) -> ContextCosts:
+    """ContextCosts from T(n) after long_context tokens (n in CONTEXT_PROFILE_ROWS up to forward's rows) against
+    `forward` (T(n) after base_context): per n, the difference per extra context token, interpolated linearly in
+    n between the timed row counts and made non-decreasing in n (more rows never read less)."""
+    from specdec.cache.kv_cache import KVCache
+
+    row_counts = [n for n in CONTEXT_PROFILE_ROWS if n <= forward.max_rows]
+    cache = KVCache(model.config, 1, long_context + row_counts[-1] + 1, model.device, dtype=model.kv_cache_dtype)
+    long_seconds = forward_seconds(model, cache, 0, long_context, row_counts[-1], repeats, row_counts)
+    timed = [max(0.0, (seconds - forward(n)) / (long_context - base_context)) for n, seconds in zip(row_counts, long_seconds)]
+    per_token, highest = [], 0.0
+    for n in range(1, row_counts[-1] + 1):
+        upper = next(i for i, m in enumerate(row_counts) if m >= n)
+        if row_counts[upper] == n or upper == 0:
+            value = timed[upper]
+        else:
+            low_n, high_n = row_counts[upper - 1], row_counts[upper]
+            value = timed[upper - 1] + (timed[upper] - timed[upper - 1]) * (n - low_n) / (high_n - low_n)
+        highest = max(highest, value)
+        per_token.append(highest)
+    return ContextCosts(base_context, tuple(per_token))
+
+
+def measure_cost_profile(model, max_rows: int = MAX_PROFILE_ROWS) -> CostProfile:
+    """T(n) after 128 cached tokens and the context costs up to 1024 (fewer when the model's context is shorter)."""
+    forward = measure_forward_costs(model, max_rows=max_rows)
+    long_context = min(1024, model.config.max_position_embeddings - max_rows - 1)
+    context = measure_context_costs(model, forward, long_context=long_context) if long_context > 256 else None
+    return CostProfile(forward, context)
+
+
+def forward_seconds(model, cache, slot: int, context: int, max_rows: int, repeats: int,
+                    row_counts: SequenceOf[int] | None = None) -> list[float]:
+    """Seconds of one forward of n new tokens of one sequence after `context` cached tokens (random token ids,
+    prefilled into `slot` first), n = 1..max_rows (or n in row_counts, each <= max_rows).
+
+    Each of `repeats` rounds walks the row counts and times a forward of 1 row right before each forward of n
     rows: T(n) = median T(1) · median of the paired ratios T(n) / T(1). A slow spell of the machine (another
     process on the cores) then scales both sides of a ratio instead of bending the curve — measured here, three
     unpaired rounds once put T(9) / T(1) at 1.88 against 1.47 idle, and the policy planned shorter drafts with it.
@@ -266,14 +355,16 @@ def forward_seconds(model, cache, slot: int, context: int, max_rows: int, repeat
     prompt = torch.randint(0, model.config.vocab_size, (context + max_rows,), generator=generator).tolist()
     model.forward(ForwardBatch.build([prompt[:context]], [0], [slot], all_logits=False, device=model.device), cache)
     batches = [ForwardBatch.build([prompt[context : context + rows]], [context], [slot], all_logits=True,
-                                  device=model.device) for rows in range(1, max_rows + 1)]
+                                  device=model.device) for rows in (row_counts or range(1, max_rows + 1))]
+    one_row_batch = ForwardBatch.build([prompt[context : context + 1]], [context], [slot], all_logits=True,
+                                       device=model.device)
     for batch in batches:
         model.forward(batch, cache)  # warm-up
     one_row_times: list[float] = []
     ratios: list[list[float]] = [[] for _ in batches]
     for _ in range(repeats):
         for batch, batch_ratios in zip(batches, ratios):
-            one_row = _timed_forward(model, batches[0], cache)
+            one_row = _timed_forward(model, one_row_batch, cache)
             one_row_times.append(one_row)
             batch_ratios.append(_timed_forward(model, batch, cache) / one_row)
     one_row_s = statistics.median(one_row_times)
@@ -340,7 +431,7 @@ class ProfileKey:
     threads: int
     machine: str
     kernels: str = "torch"  # kernels.ops.kernel_build_id(): a rebuilt kernel measures afresh
-    protocol: int = 2  # how T(n) is measured (2: paired ratios, see forward_seconds): a new one measures afresh
+    protocol: int = 3  # how costs are measured (3: paired ratios, context costs): a new one measures afresh
 
     @classmethod
     def current(cls, model_name_or_path: str, weight_format: str, device: str | torch.device = "cpu") -> ProfileKey:
@@ -361,39 +452,46 @@ def costs_dir() -> Path:
     return Path(cache).expanduser() / "specdec" / "costs"
 
 
-def save_profile(key: ProfileKey, forward: ForwardCosts, extra: dict | None = None) -> Path:
+def save_profile(key: ProfileKey, profile: CostProfile, extra: dict | None = None) -> Path:
     path = costs_dir() / key.filename()
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"key": dataclasses.asdict(key), "forward_s": list(forward.seconds), "measured_at": time.time(), **(extra or {})}
+    context = profile.context
+    payload = {"key": dataclasses.asdict(key), "forward_s": list(profile.forward.seconds),
+               "context": None if context is None else {"base_context": context.base_context,
+                                                        "per_token_s": list(context.per_token_s)},
+               "measured_at": time.time(), **(extra or {})}
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(payload, indent=2))
     os.replace(partial, path)
     return path
 
 
-def load_profile(key: ProfileKey) -> ForwardCosts | None:
-    """The cached T(n) for exactly this key, or None (missing, unreadable or for another key)."""
+def load_profile(key: ProfileKey) -> CostProfile | None:
+    """The cached profile for exactly this key, or None (missing, unreadable or for another key)."""
     path = costs_dir() / key.filename()
     try:
         payload = json.loads(path.read_text())
         if payload["key"] != dataclasses.asdict(key):
             return None
-        return ForwardCosts(tuple(float(s) for s in payload["forward_s"]))
+        context = payload.get("context")
+        return CostProfile(ForwardCosts(tuple(float(s) for s in payload["forward_s"])),
+                           None if context is None else ContextCosts(int(context["base_context"]),
+                                                                     tuple(float(s) for s in context["per_token_s"])))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def load_or_measure(model, key: ProfileKey, max_rows: int = MAX_PROFILE_ROWS) -> ForwardCosts:
+def load_or_measure(model, key: ProfileKey, max_rows: int = MAX_PROFILE_ROWS) -> CostProfile:
     """The cached profile for key, else one measured now (with a notice on stderr) and cached; an unwritable
     cache keeps the measurement for this run only."""
     cached = load_profile(key)
-    if cached is not None and cached.max_rows >= max_rows:
+    if cached is not None and cached.forward.max_rows >= max_rows:
         return cached
-    print(f"[measuring the forward cost T(n) of {key.model.split('@')[0]}: once per model, machine and kernel build]",
+    print(f"[measuring the forward costs of {key.model.split('@')[0]}: once per model, machine and kernel build]",
           file=sys.stderr)
-    forward = measure_forward_costs(model, max_rows=max_rows)
+    profile = measure_cost_profile(model, max_rows=max_rows)
     try:
-        save_profile(key, forward)
+        save_profile(key, profile)
     except OSError:
         pass
-    return forward
+    return profile

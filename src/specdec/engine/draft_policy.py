@@ -16,6 +16,7 @@ class StepCost:
     draft_lengths: tuple[int, ...]  # the draft length each speculating sequence got
     draft_s: float  # seconds in the drafter
     target_s: float  # seconds in the target forward
+    contexts: tuple[int, ...] = ()  # cached tokens of each sequence of draft_lengths before the step
 
 
 class DraftLengthPolicy(ABC):

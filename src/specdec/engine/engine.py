@@ -225,7 +225,7 @@ class Engine:
         step_times = (drafted - start, verified_at - drafted, done - verified_at)
         self._record_times(self.metrics, step_times)
         self.draft_policy.observe_step(StepCost(len(batch.token_ids), tuple(len(d.token_ids) for d in drafts),
-                                                step_times[0], step_times[1]))
+                                                step_times[0], step_times[1], tuple(seq.num_cached for seq in seqs)))
         outputs = [self._commit(seq, result, step_times, _emitted_rows(result, logits))
                    for seq, result, logits in zip(seqs, results, logits_per_seq)]
         if hidden_per_seq is not None:
