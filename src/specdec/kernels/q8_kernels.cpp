@@ -360,9 +360,9 @@ struct ArgmaxPart {
   bool nan;
 };
 
-ArgmaxPart argmax_range_scalar(const float* x, int64_t n, int64_t offset) {
-  ArgmaxPart part{x[0], 0, std::isnan(x[0])};
-  for (int64_t j = 1; j < n; ++j) {
+// Folds x[j, n) into part in index order: a NaN is noted, a strictly greater value replaces the maximum.
+inline void argmax_scan(const float* x, int64_t j, int64_t n, ArgmaxPart& part) {
+  for (; j < n; ++j) {
     if (std::isnan(x[j])) {
       part.nan = true;
     } else if (x[j] > part.value) {
@@ -370,6 +370,11 @@ ArgmaxPart argmax_range_scalar(const float* x, int64_t n, int64_t offset) {
       part.index = j;
     }
   }
+}
+
+ArgmaxPart argmax_range_scalar(const float* x, int64_t n, int64_t offset) {
+  ArgmaxPart part{x[0], 0, std::isnan(x[0])};
+  argmax_scan(x, 1, n, part);
   part.index += offset;
   return part;
 }
@@ -943,14 +948,7 @@ ArgmaxPart argmax_range_avx(const float* x, int64_t n, int64_t offset) {
       part.value = values[l];
       part.index = indices[l];
     }
-  for (; j < n; ++j) {
-    if (std::isnan(x[j])) {
-      part.nan = true;
-    } else if (x[j] > part.value) {
-      part.value = x[j];
-      part.index = j;
-    }
-  }
+  argmax_scan(x, j, n, part);
   part.index += offset;
   return part;
 }
