@@ -68,10 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     cached_llm = LLM(loaded=loaded, max_num_seqs=1, prefix_cache_tokens=args.prefix_cache_tokens)
     plain_llm = LLM(loaded=loaded, max_num_seqs=1)
     params = SamplingParams(max_tokens=args.max_new_tokens)
-
-    def encode(messages: list[dict]) -> list[int]:
-        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
-
+    encode = lambda messages: cached_llm.encode_prompt(messages, chat=True)  # noqa: E731
     rows = []
     for question in questions:
         first_messages = [{"role": "user", "content": question["turns"][0]}]

@@ -167,7 +167,7 @@ class Engine:
             seq.num_cached += len(chunk)
             if hidden_per_seq is not None and seq.speculative:
                 self._hidden_drafter.observe_target_hidden(seq.request_id, hidden_per_seq[row])
-            if not seq.prefilling:
+            if ends_prompt[row]:
                 if self.prefix_cache is not None:  # shared with later prompts while this request runs
                     self.prefix_cache.keep(self.cache, seq.slot, seq.prompt_token_ids)
                 logits_row = len(outputs)
