@@ -7,8 +7,11 @@ from specdec.kernels import ops
 
 
 # (K, N): every kind of tail unit (K mod 512 = 64 -> 2 blocks, 128 -> 4, 384 -> 8 + 4, 448 -> 8 + 4 + 2,
-# 256 -> 8), K not a multiple of 64 (100), N not a multiple of 4 (plain tail rows)
-SHAPES = [(576, 37), (640, 256), (896, 130), (960, 41), (1536, 67), (2048, 64), (8960, 22), (100, 9)]
+# 256 -> 8), K not a multiple of 64 (100), N not a multiple of 4 (plain tail rows); tiles wider than a K slice
+# (K > 2048: walked slice by slice over a block of rows) ending on a whole slice (4096), on a short slice plus a
+# tail unit (2624) and with a tail of 8 blocks (8960)
+SHAPES = [(576, 37), (640, 256), (896, 130), (960, 41), (1536, 67), (2048, 64), (2624, 13), (4096, 24), (8960, 22),
+          (100, 9)]
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -93,7 +96,8 @@ def test_row_units_cover_the_padded_row_with_one_epilogue_per_unit():
         assert sorted(ops._pack_index(kp).tolist()) == list(range(kp))
 
 
-@pytest.mark.parametrize("k,n", [(100, 9), (576, 37), (640, 20), (768, 9), (896, 130), (960, 41), (2048, 64), (8960, 22)])
+@pytest.mark.parametrize("k,n", [(100, 9), (576, 37), (640, 20), (768, 9), (896, 130), (960, 41), (2048, 64), (2624, 13),
+                                 (4096, 24), (8960, 22)])
 def test_scalar_path_matches_simd(k, n):
     w, x, bias = _data(k, n, m=20)
     qw = ops.quantize_weight(w)
