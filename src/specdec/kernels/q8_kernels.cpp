@@ -1420,11 +1420,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x_in) {
       parts[t] = argmax_range_scalar(xp + r * V + a, n, a);
     }
   };
-  if (R * V < (1 << 16)) {
-    run(0, R * pieces);
-  } else {
-    at::parallel_for(0, R * pieces, 1, run);
-  }
+  parallel_rows(R * pieces, R * V, run);
   (void)avx;
   torch::Tensor out = torch::empty({R}, x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
