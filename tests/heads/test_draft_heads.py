@@ -13,8 +13,10 @@ from specdec.drafters.heads import EagleDrafter, MedusaDrafter
 from specdec.engine.batch import ForwardBatch
 from specdec.heads.config import HeadConfig, load_head, save_head, target_fingerprint
 from specdec.heads.modules import TargetParts
-from specdec.train.data import TrainingSequence, generate_continuations, hidden_states
-from specdec.train.trainer import Trainer, TrainSettings, draft_vocabulary
+from specdec.models.layers import Linear
+from specdec.train.data import TrainingSequence, generate_continuations, generate_training_sequences, hidden_states
+from specdec.train.trainer import (Trainer, TrainSettings, chain_acceptance, draft_correctness, draft_vocabulary,
+                                   pad_batch)
 
 ARCHITECTURES = ("llama", "qwen2", "gemma3")
 METHODS = ("eagle", "medusa")
@@ -146,6 +148,104 @@ def test_heads_draft_with_int8_copies_of_their_weights(trained_heads, make_tiny_
     assert float((quantized - modules).norm() / modules.norm()) < 0.05
     logits = trainer.parts.draft_logits(modules)
     assert float((trainer.parts.draft_logits(modules, q8.draft_lm_head) - logits).norm() / logits.norm()) < 0.05
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_features_recorded_while_generating_equal_a_second_pass(make_tiny_model, tiny_tokenizer, architecture):
+    """The hidden rows the engine hands over while it generates (greedy and sampled, n-gram speculation, a batch
+    of mixed lengths) are bit for bit those of one forward pass over the finished sequence."""
+    model = make_tiny_model(architecture)
+    prompts = PROMPTS + TRAIN_PROMPTS[:4]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(len(prompts))]
+    sequences = generate_training_sequences(model, tiny_tokenizer, prompts, 30, max_len=64, batch_size=3, params=params)
+    assert [s.prompt_length for s in sequences] == [len(p) for p in prompts]
+    full = [s.token_ids.tolist() for s in sequences]
+    for sequence, prompt, reference in zip(sequences, prompts, hidden_states(model, full)):
+        assert sequence.token_ids.tolist()[: len(prompt)] == prompt
+        assert len(sequence.token_ids) > len(prompt) + 20  # most of the continuation is kept (all but its last token)
+        assert torch.equal(sequence.hidden, reference.to(torch.float16))
+    greedy = generate_continuations(model, tiny_tokenizer, prompts[1::2], 30, max_len=64, batch_size=3)
+    assert [s.token_ids.tolist() for s in sequences[1::2]] == [g[: len(s.token_ids)] for g, s in zip(greedy, sequences[1::2])]
+
+
+def test_bf16_training_tracks_fp32_training(make_tiny_model, tiny_tokenizer):
+    model = make_tiny_model("qwen2")
+    sequences = training_sequences(model, tiny_tokenizer, TRAIN_PROMPTS[:12], new_tokens=24)
+    fp32 = train(model, tiny_tokenizer, "eagle", steps=30, sequences=sequences, unroll_steps=2).state.history
+    bf16 = train(model, tiny_tokenizer, "eagle", steps=30, sequences=sequences, unroll_steps=2,
+                 precision="bf16").state.history
+    assert bf16[0].loss != fp32[0].loss  # autocast did change the arithmetic
+    assert bf16[0].loss == pytest.approx(fp32[0].loss, rel=0.03)
+    first, last = (sum(r.loss for r in rows) / 5 for rows in (bf16[:5], bf16[-5:]))
+    assert last < 0.8 * first and last == pytest.approx(sum(r.loss for r in fp32[-5:]) / 5, rel=0.15)
+    with pytest.raises(ValueError, match="precision must be one of fp32, bf16"):
+        TrainSettings(precision="fp16")
+
+
+def test_continuation_loss_positions_leave_out_the_prompt(make_tiny_model):
+    model = make_tiny_model("qwen2")
+    parts = TargetParts.from_target(model, torch.arange(model.config.vocab_size))
+    batch = [TrainingSequence(torch.arange(6), torch.zeros(6, model.config.hidden_size), prompt_length=4),
+             TrainingSequence(torch.arange(3), torch.zeros(3, model.config.hidden_size), prompt_length=0)]
+    assert pad_batch(batch, parts, "cpu")[2].tolist() == [[True] * 6, [True] * 3 + [False] * 3]
+    assert pad_batch(batch, parts, "cpu", "continuation")[2].tolist() == [[False] * 4 + [True] * 2,
+                                                                           [True] * 3 + [False] * 3]
+    with pytest.raises(ValueError, match="loss_positions must be one of all, continuation"):
+        TrainSettings(loss_positions="prompt")
+    with pytest.raises(ValueError, match="not both 0"):
+        TrainSettings(feature_weight=0.0, token_weight=0.0)
+
+
+def test_chain_acceptance_counts_greedy_chains_by_hand():
+    """Medusa heads at their initial identity each draft token u + 1 again from h(u); with one-hot states and an
+    identity output layer the accepted chains can be counted by hand."""
+    from specdec.heads.modules import MedusaHeads
+
+    vocab = 4
+    tokens = torch.tensor([0, 1, 2, 2, 2, 2, 3, 3, 1])
+    hidden = torch.nn.functional.one_hot(torch.cat([tokens[1:], tokens[:1]]), vocab).float()  # h(t) predicts t + 1
+    parts = TargetParts(Linear.build(torch.eye(vocab), None, "fp32"), 1.0, torch.eye(vocab), torch.arange(vocab), None)
+    config = HeadConfig(method="medusa", target_name="t", target_fingerprint="f", hidden_size=vocab, vocab_size=vocab,
+                        draft_vocab_size=vocab, num_medusa_heads=3)
+    result = chain_acceptance(MedusaHeads(config), parts, [TrainingSequence(tokens, hidden, prompt_length=2)], depth=3)
+    # starts u = 1..6 draft token u + 1 (2, 2, 2, 2, 3, 3) at depths 1..3 against tokens u + 2 .. u + 4:
+    # accepted chain lengths 3, 2, 1, 0, 1, 0; depth 3 is right only from u = 1
+    assert result.starts == 6
+    assert result.chain_acceptance == pytest.approx((4 / 6, 2 / 6, 1 / 6))
+    assert result.depth_accuracy == pytest.approx((4 / 6, 2 / 6, 1 / 6))
+    assert result.mean_accepted_length == pytest.approx(1 + 7 / 6)
+
+
+def test_chain_acceptance_predicts_what_greedy_speculation_accepts(make_tiny_model, tiny_tokenizer, trained_heads):
+    """Every verify step of greedy speculation with the EAGLE head (fixed k) accepts what draft_correctness says
+    the chain from that position gets accepted: the evaluation runs no target, yet sees what the engine sees."""
+    from engine.test_speculative import run
+    from specdec.engine.sequence import TokenKind
+
+    model, trainer, k = make_tiny_model("qwen2"), trained_heads("qwen2", "eagle"), 3
+    drafter = make_head_drafter(trainer, model, weight_format="fp32")  # the training modules' own arithmetic
+    seqs, _ = run(model, tiny_tokenizer, PROMPTS, SamplingParams(max_tokens=40), drafter, k=k)
+    full = [seq.prompt_token_ids + seq.output_token_ids for seq in seqs]
+    batch = [TrainingSequence(torch.tensor(s), h, len(seq.prompt_token_ids))
+             for s, h, seq in zip(full, hidden_states(model, full), seqs)]
+    correct, valid_start = draft_correctness(trainer.head, trainer.parts, batch, k)  # [k, B, T], [B, T]
+    checked = accepted_any = 0
+    for row, seq in enumerate(seqs):
+        committed, accepted = len(seq.prompt_token_ids) + 1, 0  # the prefill's token
+        for kind in seq.token_kinds[1:]:
+            if kind == TokenKind.ACCEPTED:
+                accepted += 1
+                continue
+            start = committed - 2  # the chain drafted from the pair (h(n - 2), token n - 1) with n committed
+            if kind == TokenKind.RECOVERED:  # rejected at depth accepted + 1
+                assert valid_start[row, start]
+                assert correct[:accepted, row, start].all() and not correct[accepted, row, start], (row, start)
+                checked += 1
+            elif kind == TokenKind.BONUS:
+                assert correct[:accepted, row, start].all(), (row, start)
+            accepted_any += accepted
+            committed, accepted = committed + accepted + 1, 0
+    assert checked > 5 and accepted_any > 5  # the comparison saw rejections and acceptances
 
 
 def test_draft_vocabulary_takes_the_most_frequent_tokens():

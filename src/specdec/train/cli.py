@@ -27,7 +27,21 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unroll-steps", type=int, default=3,
                         help="EAGLE: draft steps trained per position on the head's own predictions (training-time "
                         "test); 1 = teacher-forced only")
+    parser.add_argument("--loss-positions", default="all", choices=["all", "continuation"],
+                        help="positions the loss scores: all, or only the target's continuation (where drafting runs)")
+    parser.add_argument("--feature-weight", type=float, default=1.0, help="EAGLE: weight of the smooth-L1 state loss")
+    parser.add_argument("--token-weight", type=float, default=0.1,
+                        help="EAGLE: weight of the KL loss on the draft distribution (EAGLE-1: 0.1)")
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                        help="training arithmetic: bf16 autocast (fp32 weights and optimizer) or fp32; auto: bf16 where "
+                        "the device runs it fast (AVX512-BF16/AMX CPUs, CUDA with bf16)")
+    parser.add_argument("--eval-prompts", type=int, default=0,
+                        help="with --holdout-every: continue this many held-out prompts too and report the head's "
+                        "greedy chain acceptance on them after training (their features are cached beside the others)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="greedy continuation length per prompt")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="continuations per training prompt: the greedy one, then SAMPLES - 1 sampled ones")
+    parser.add_argument("--sample-temperature", type=float, default=0.8, help="temperature of the sampled continuations")
     parser.add_argument("--max-len", type=int, default=1024, help="longest training sequence (prompt + continuation)")
     parser.add_argument("--max-prompts", type=int, default=None, help="use N prompts, evenly spaced over the files")
     parser.add_argument("--holdout-every", type=int, default=0, help="leave out every N-th question of each file")
@@ -46,36 +60,93 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from specdec.runtime import configure_threads, default_device, load_model
     from specdec.train.data import FeatureSpec, build_features, load_prompts, load_sequences
 
+    _check_arguments(args)
     configure_threads(args.threads)
-    out = Path(args.out or f"heads/{Path(args.model).stem}-{args.method}.safetensors")
+    model_name = _model_label(args.model)
+    out = Path(args.out or f"heads/{model_name}-{args.method}.safetensors")
     target, tokenizer = load_model(args.model, args.weight_format, args.device or default_device())
     prompt_files = tuple(args.prompts or DEFAULT_PROMPTS)
     prompts = load_prompts(tokenizer, prompt_files, args.holdout_every, args.max_prompts)
     spec = FeatureSpec(target_fingerprint(target), prompt_files, len(prompts), args.max_new_tokens, args.max_len,
-                       args.generate_batch)
-    features = Path(args.features_dir or out.parent / f"{Path(args.model).stem}-features")
+                       args.generate_batch, args.samples, args.sample_temperature)
+    features = Path(args.features_dir or out.parent / f"{model_name}-features")
     started = time.perf_counter()
-    with tqdm(total=len(prompts), desc="target continuations", unit="prompt") as bar:
+    with tqdm(total=len(prompts) * args.samples, desc="target continuations", unit="sequence") as bar:
         shards = build_features(target, tokenizer, prompts, features, spec, lambda done, _: bar.update(done - bar.n))
     sequences = load_sequences(shards)
     data_s = time.perf_counter() - started
     num_tokens = sum(len(s.token_ids) for s in sequences)
     print(f"[data: {len(sequences)} sequences, {num_tokens} tokens in {features} ({data_s:.0f} s this run)]", file=sys.stderr)
+    held_out = _held_out_sequences(args, target, tokenizer, prompt_files, features)
     trainer, finished = _train(args, target, sequences, out)
     history = trainer.state.history
     tail = history[-20:]
     training = {"prompt_files": list(prompt_files), "sequences": len(sequences), "tokens": num_tokens,
+                "continuation_tokens": sum(len(s.token_ids) - s.prompt_length for s in sequences),
+                "samples": args.samples, "sample_temperature": args.sample_temperature,
                 "steps": trainer.state.step, "train_seconds": round(trainer.state.train_seconds, 1),
                 "batch_tokens": args.batch_tokens, "lr": args.lr, "holdout_every": args.holdout_every,
                 "max_new_tokens": args.max_new_tokens, "unroll_steps": args.unroll_steps, "device": str(target.device),
+                "loss_positions": args.loss_positions, "feature_weight": args.feature_weight,
+                "token_weight": args.token_weight, "precision": trainer.settings.precision,
                 "final_loss": sum(r.loss for r in tail) / len(tail), "final_accuracy": sum(r.accuracy for r in tail) / len(tail),
                 "first_loss": history[0].loss}
+    if held_out:
+        training["held_out"] = _evaluate(trainer, held_out, max(args.unroll_steps, 5 if args.method == "eagle" else 1))
     save_head(out, trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, training)
     _plot(trainer, out)
     print(json.dumps(training), file=sys.stderr)
     state = "done" if finished else f"stopped at step {trainer.state.step}/{args.steps}; rerun to resume"
     print(f"[{args.method} head written to {out} ({state})]", file=sys.stderr)
     return 0
+
+
+def _model_label(model: str) -> str:
+    """A file-name label for --model: a .gguf file's stem, a directory's name, a catalogue name as it is (its dots
+    are part of the name: qwen2.5-coder-1.5b-instruct)."""
+    path = Path(model)
+    return path.stem if path.is_file() else path.name
+
+
+def _check_arguments(args) -> None:
+    """Settings that cannot work, refused before any model is loaded."""
+    if args.samples < 1 or args.sample_temperature <= 0:
+        raise ValueError(f"--samples must be >= 1 and --sample-temperature > 0 (got {args.samples}, {args.sample_temperature})")
+    if args.eval_prompts > 0 and args.holdout_every <= 0:
+        raise ValueError("--eval-prompts needs --holdout-every (the evaluation prompts are the held-out ones)")
+
+
+def _held_out_sequences(args, target, tokenizer, prompt_files, features: Path):
+    """The evaluation sequences (held-out prompts' greedy continuations and features, cached), or [] without
+    --eval-prompts."""
+    from tqdm import tqdm
+
+    from specdec.heads.config import target_fingerprint
+    from specdec.train.data import FeatureSpec, build_features, load_prompts, load_sequences
+
+    if args.eval_prompts <= 0:
+        return []
+    prompts = load_prompts(tokenizer, prompt_files, args.holdout_every, args.eval_prompts, held_out=True)
+    spec = FeatureSpec(target_fingerprint(target), prompt_files, len(prompts), args.max_new_tokens, args.max_len,
+                       args.generate_batch)
+    with tqdm(total=len(prompts), desc="held-out continuations", unit="prompt") as bar:
+        shards = build_features(target, tokenizer, prompts, Path(f"{features}-heldout{args.holdout_every}"), spec,
+                                lambda done, _: bar.update(done - bar.n))
+    return load_sequences(shards)
+
+
+def _evaluate(trainer, held_out, depth: int) -> dict:
+    from specdec.train.trainer import chain_acceptance
+
+    result = chain_acceptance(trainer.head, trainer.parts, held_out, depth)
+    summary = {"sequences": len(held_out), "starts": result.starts,
+               "depth_accuracy": [round(a, 4) for a in result.depth_accuracy],
+               "chain_acceptance": [round(a, 4) for a in result.chain_acceptance],
+               "mean_accepted_length": round(result.mean_accepted_length, 3)}
+    print(f"[held-out greedy chains, k = {len(result.chain_acceptance)}: accepted at depth "
+          f"{', '.join(f'{a:.2f}' for a in result.chain_acceptance)}; mean accepted length "
+          f"{result.mean_accepted_length:.2f} over {result.starts} starts]", file=sys.stderr)
+    return summary
 
 
 def _train(args, target, sequences, out: Path):
@@ -88,7 +159,9 @@ def _train(args, target, sequences, out: Path):
     parts = TargetParts.from_target(target, draft_vocabulary(sequences, target.config.vocab_size, config.draft_vocab_size))
     settings = TrainSettings(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
                              time_limit_s=args.time_limit_min * 60 if args.time_limit_min else None,
-                             unroll_steps=args.unroll_steps)
+                             unroll_steps=args.unroll_steps, feature_weight=args.feature_weight,
+                             token_weight=args.token_weight, loss_positions=args.loss_positions,
+                             precision=_precision(args.precision, target.device))
     trainer = Trainer(config, parts, sequences, settings, checkpoint=out.with_suffix(".ckpt"))
     with tqdm(total=args.steps, initial=trainer.state.step, desc=f"training {args.method}", unit="step") as bar:
         def on_step(record) -> None:
@@ -97,6 +170,14 @@ def _train(args, target, sequences, out: Path):
 
         finished = trainer.run(on_step)
     return trainer, finished
+
+
+def _precision(requested: str, device) -> str:
+    from specdec.train.trainer import bf16_supported
+
+    if requested != "auto":
+        return requested
+    return "bf16" if bf16_supported(device) else "fp32"
 
 
 def head_config(args, target):
