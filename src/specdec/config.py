@@ -110,8 +110,9 @@ class SpeculativeConfig:
           tree's nodes at the sequence's share of max_verify_tokens rows. Trees are greedy-only: a sampled
           request (temperature > 0) drafts and verifies one chain, whatever this key. Branches: ngram, the
           continuations of earlier occurrences; suffix, the other continuations of the matched trie path;
-          draft_model, forks at runner-up tokens where the draft model is unsure, each continued greedily.
-      draft_tree_min_prob: draft_model trees only: a runner-up token becomes a new branch only when the
+          draft_model, forks at runner-up tokens where the draft model is unsure, each continued greedily;
+          eagle, the head's best runner-up tokens along its chain, each ending its branch (medusa: chains only).
+      draft_tree_min_prob: draft_model and eagle trees: a runner-up token becomes a new branch only when the
           draft probability of its path (the tokens before it times its own) is at least this, in [0, 1]
           (default 0.05).
       draft_prefix_cache_tokens: draft_model only: how many tokens of earlier requests' prompts the draft
@@ -169,6 +170,9 @@ class SpeculativeConfig:
         _require_at_least(owner, "num_draft_branches", self.num_draft_branches, 1)
         if self.num_draft_branches > MAX_DRAFT_BRANCHES:
             raise ValueError(f"{owner}.num_draft_branches must be <= {MAX_DRAFT_BRANCHES}, got {self.num_draft_branches}")
+        if self.num_draft_branches > 1 and self.method == "medusa":
+            raise ValueError(f"{owner}.num_draft_branches > 1 (token trees) is not available for method 'medusa'; "
+                             "use 1, or method 'eagle'")
         _require_number(owner, "draft_tree_min_prob", self.draft_tree_min_prob)
         if not 0 <= self.draft_tree_min_prob <= 1:
             raise ValueError(f"{owner}.draft_tree_min_prob must be in [0, 1], got {self.draft_tree_min_prob}")

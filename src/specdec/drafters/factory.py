@@ -23,7 +23,8 @@ def build_drafter(config: SpeculativeConfig, target: Transformer, tokenizer: Tok
     if config.method == "draft_model":
         return _build_draft_model(config, target, tokenizer, weight_format, max_model_len, max_num_seqs)
     if config.method in ("eagle", "medusa"):
-        return build_head_drafter(config.method, config.model, target, max_model_len, max_num_seqs)
+        return build_head_drafter(config.method, config.model, target, max_model_len, max_num_seqs,
+                                  config.num_draft_branches, config.draft_tree_min_prob)
     raise ValueError(f"speculative method {config.method!r} is not implemented yet")
 
 
@@ -66,8 +67,10 @@ def check_same_vocabulary(target_tokenizer: Tokenizer, draft_tokenizer: Tokenize
         )
 
 
-def build_head_drafter(method: str, path: str, target: Transformer, max_model_len: int, max_num_seqs: int) -> Drafter:
-    """An EAGLE or Medusa drafter from a head file, checked against the target it was trained on."""
+def build_head_drafter(method: str, path: str, target: Transformer, max_model_len: int, max_num_seqs: int,
+                       num_branches: int = 1, min_branch_prob: float = 0.05) -> Drafter:
+    """An EAGLE or Medusa drafter from a head file, checked against the target it was trained on; num_branches > 1:
+    EAGLE token trees (EagleDrafter)."""
     from specdec.drafters.heads import EagleDrafter, MedusaDrafter
     from specdec.heads.config import load_head
     from specdec.heads.modules import TargetParts, build_head
@@ -81,5 +84,6 @@ def build_head_drafter(method: str, path: str, target: Transformer, max_model_le
     head.to(target.device)
     parts = TargetParts.from_target(target, head_file.draft_token_ids)
     if method == "eagle":
-        return EagleDrafter(head, parts, target.config.vocab_size, max_num_seqs, max_model_len, target.weight_format)
+        return EagleDrafter(head, parts, target.config.vocab_size, max_num_seqs, max_model_len, target.weight_format,
+                            num_branches, min_branch_prob)
     return MedusaDrafter(head, parts, target.config.vocab_size, target.weight_format)

@@ -100,16 +100,55 @@ def _drafts(drafted: list[list[int]], probs: list[list[torch.Tensor]]) -> list[D
     return [Draft(tuple(tokens), torch.cat(p) if p else None) for tokens, p in zip(drafted, probs)]
 
 
+@dataclass
+class _Forks:
+    """A greedy chain's runner-up tokens while it is drafted: offers (worth, depth, token id), where worth is the
+    draft probability of the chain before `depth` times the runner-up's own."""
+
+    chain_prob: float = 1.0
+    offers: list[tuple[float, int, int]] = field(default_factory=list)
+
+    def offer(self, logits: torch.Tensor, chosen_token_id: int, depth: int, draft_token_ids: torch.Tensor) -> None:
+        """logits [draft vocab] at `depth`, where the chain took chosen_token_id."""
+        probs = torch.softmax(logits.float(), dim=-1)  # [draft vocab]
+        top_probs, top_rows = probs.topk(min(2, probs.shape[0]))
+        top_ids = draft_token_ids[top_rows].tolist()
+        if chosen_token_id not in top_ids:  # cannot happen for argmax; keeps the bookkeeping honest
+            raise RuntimeError(f"greedy draft {chosen_token_id} is not among the head's top tokens {top_ids}")
+        chosen = top_ids.index(chosen_token_id)
+        if len(top_ids) == 2:
+            self.offers.append((self.chain_prob * float(top_probs[1 - chosen]), depth, top_ids[1 - chosen]))
+        self.chain_prob *= float(top_probs[chosen])
+
+    def tree(self, chain: list[int], max_forks: int, min_prob: float) -> Draft:
+        """The chain plus its best max_forks offers worth >= min_prob, each as a branch ending at its fork."""
+        best = sorted((o for o in self.offers if o[0] >= min_prob), key=lambda o: (-o[0], o[1]))[:max_forks]
+        return Draft.from_branches([chain] + [chain[:depth] + [token_id] for _, depth, token_id in best])
+
+
 class EagleDrafter(HeadDrafter):
     """Step 0 feeds every pair (hidden(t), token(t + 1)) the head cache lacks and drafts from the last row;
     step j feeds (predicted state, draft j) at the next position. Afterwards only the real pairs count as
-    cached (rollback by length): the next step's real hidden rows overwrite the drafted positions."""
+    cached (rollback by length): the next step's real hidden rows overwrite the drafted positions.
+
+    num_branches = b > 1 (greedy requests; EAGLE-2's dynamic tree by draft confidence, in its cheapest form):
+    the chain is drafted as above, and at every depth d the head's runner-up token is an offer worth the draft
+    probability of the chain up to d times its own; the best b - 1 offers worth at least min_branch_prob become
+    branches chain[:d] + [runner-up] of the tree the target verifies. They end there, so they cost the head
+    nothing more: one verify row each. Sampled requests draft chains.
+    """
 
     forward_per_draft_token = True
 
     def __init__(self, head: EagleHead, parts: TargetParts, vocab_size: int, max_num_seqs: int, max_model_len: int,
-                 weight_format: str = "q8") -> None:
+                 weight_format: str = "q8", num_branches: int = 1, min_branch_prob: float = 0.05) -> None:
         super().__init__(head, parts, vocab_size, weight_format)
+        if num_branches < 1:
+            raise ValueError(f"num_branches must be >= 1, got {num_branches}")
+        if not 0.0 <= min_branch_prob <= 1.0:
+            raise ValueError(f"min_branch_prob must be in [0, 1], got {min_branch_prob}")
+        self.num_branches = num_branches
+        self.min_branch_prob = min_branch_prob
         self.cache = KVCache(head.cache_config(), max_num_seqs, max_model_len, parts.draft_lm_head.device)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -127,19 +166,27 @@ class EagleDrafter(HeadDrafter):
         drafted: list[list[int]] = [[] for _ in states]
         probs: list[list[torch.Tensor]] = [[] for _ in states]
         active = [i for i, (state, budget) in enumerate(zip(states, max_draft_tokens)) if budget > 0 and state.pending_hidden]
+        forks = {i: _Forks() for i in active if self.num_branches > 1 and states[i].params.greedy}
         predicted = self._consume_pending([states[i] for i in active])  # [active, hidden]
         step = 0
         while active:
-            for row, (token_id, token_probs) in enumerate(self._draft_tokens([states[i] for i in active], predicted)):
-                drafted[active[row]].append(token_id)
+            logits = self.parts.draft_logits(predicted, self.draft_lm_head)  # [active, draft vocab]
+            for row, i in enumerate(active):
+                token_id, token_probs = self._draft_token(states[i], logits[row : row + 1])
+                if i in forks:
+                    forks[i].offer(logits[row], token_id, len(drafted[i]), self.parts.draft_token_ids)
+                drafted[i].append(token_id)
                 if token_probs is not None:
-                    probs[active[row]].append(token_probs)
+                    probs[i].append(token_probs)
             keep = [row for row, i in enumerate(active) if len(drafted[i]) < max_draft_tokens[i]]
             active, predicted = [active[row] for row in keep], predicted[keep]
             if active:
                 predicted = self._feed_drafts([states[i] for i in active], [drafted[i][-1] for i in active], predicted, step)
                 step += 1
-        return _drafts(drafted, probs)
+        drafts = _drafts(drafted, probs)
+        for i, request_forks in forks.items():
+            drafts[i] = request_forks.tree(drafted[i], self.num_branches - 1, self.min_branch_prob)
+        return drafts
 
     def _consume_pending(self, states: list[_HeadState]) -> torch.Tensor:
         """Feeds every request's unconsumed real pairs; returns the last row's predicted state [len(states), hidden]."""

@@ -1,14 +1,15 @@
 """Training an EAGLE head or Medusa heads on cached target features, with checkpoint/resume.
 
-Losses (per position, averaged over real positions of the batch):
-  EAGLE   smooth-L1(predicted h(t+1), h(t+1)) + 0.1 * KL(target distribution of token t+2 over the draft
-          vocabulary, head distribution from the predicted state) -- EAGLE-1's weighting; with
+Losses (per position, averaged over the scored positions of the batch):
+  EAGLE   feature_weight * smooth-L1(predicted h(t+1), h(t+1)) + token_weight * KL(target distribution of token
+          t+2 over the draft vocabulary, head distribution from the predicted state) -- 1.0 and 0.1 by default,
+          EAGLE-1's weighting; with
           unroll_steps > 1 the same loss for each training-time-test step s (the head fed its own predictions),
           weighted 0.8^(s-1).
   Medusa  sum_i 0.8^(i-1) * KL(target distribution of token t+1+i, head i's distribution from h(t)).
 The target distributions are softmax(draft lm_head rows . h): the head learns the target's own predictions
-(the data are its greedy continuations), restricted to the draft vocabulary. Weights and the positions scored
-(every position, or only those whose target token is in the continuation: `loss_positions`) are settings.
+(the data are its continuations), restricted to the draft vocabulary. The positions scored are every position
+or only those whose target token is in the continuation (`loss_positions`).
 """
 from __future__ import annotations
 
