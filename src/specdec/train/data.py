@@ -77,19 +77,25 @@ def load_prompts(tokenizer, paths: Sequence[str], holdout_every: int = 0, limit:
 
 
 def generate_continuations(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, max_len: int,
-                           batch_size: int, params: Sequence[SamplingParams] | None = None) -> list[list[int]]:
-    """prompt + continuation per prompt (truncated to max_len tokens; the prompt to max_len - 1); greedy, or with
-    params[i] for prompt i (its max_tokens is replaced by max_new_tokens)."""
+                           batch_size: int) -> list[list[int]]:
+    """prompt + greedy continuation per prompt (truncated to max_len tokens; the prompt to max_len - 1)."""
     from specdec.drafters.ngram import NgramDrafter
 
-    engine = Engine(target, tokenizer, max_num_seqs=batch_size, max_model_len=max_len + 1,
-                    drafter=NgramDrafter(4, 2), num_speculative_tokens=4)
-    params = [dataclasses.replace(p, max_tokens=max_new_tokens) for p in params] if params else \
-        [SamplingParams(max_tokens=max_new_tokens)] * len(prompts)
+    params = [SamplingParams(max_tokens=max_new_tokens)] * len(prompts)
+    seqs = _continue(target, tokenizer, prompts, params, max_len, batch_size, NgramDrafter(4, 2))
+    return [(seq.prompt_token_ids + seq.output_token_ids)[:max_len] for seq in seqs]
+
+
+def _continue(target, tokenizer, prompts: list[list[int]], params: Sequence[SamplingParams], max_len: int,
+              batch_size: int, drafter: Drafter) -> list:
+    """Runs an engine (n-gram speculation through `drafter`, lossless) to the end of every request -> its
+    finished Sequences, in order; prompts are truncated to max_len - 1 tokens."""
+    engine = Engine(target, tokenizer, max_num_seqs=batch_size, max_model_len=max_len + 1, drafter=drafter,
+                    num_speculative_tokens=4)
     seqs = [engine.add_request(prompt[: max_len - 1], p) for prompt, p in zip(prompts, params)]
     while engine.has_unfinished():
         engine.step()
-    return [(seq.prompt_token_ids + seq.output_token_ids)[:max_len] for seq in seqs]
+    return seqs
 
 
 class HiddenRecorder(HiddenStateDrafter):
@@ -128,12 +134,8 @@ def generate_training_sequences(target, tokenizer, prompts: list[list[int]], max
     from specdec.drafters.ngram import NgramDrafter
 
     recorder = HiddenRecorder(NgramDrafter(4, 2))
-    engine = Engine(target, tokenizer, max_num_seqs=batch_size, max_model_len=max_len + 1, drafter=recorder,
-                    num_speculative_tokens=4)
-    seqs = [engine.add_request(prompt[: max_len - 1], dataclasses.replace(p, max_tokens=max_new_tokens))
-            for prompt, p in zip(prompts, params)]
-    while engine.has_unfinished():
-        engine.step()
+    seqs = _continue(target, tokenizer, prompts, [dataclasses.replace(p, max_tokens=max_new_tokens) for p in params],
+                     max_len, batch_size, recorder)
     sequences = []
     for seq in seqs:
         hidden = recorder.take(seq.request_id)[: max_len]  # [T, hidden]: positions 0 .. T - 1
