@@ -48,3 +48,24 @@ def test_draft_from_branches_keeps_the_chain_in_token_ids():
 def test_draft_token_ids_must_be_the_tree_first_branch():
     with pytest.raises(ValueError, match=r"must be the first branch of Draft.tree, \(1, 2\)"):
         Draft(token_ids=(1, 4), tree=DraftTree((1, 2, 4), (-1, 0, 0)))
+
+
+def test_drafters_refuse_zero_branches():
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.drafters.suffix import SuffixDrafter
+
+    for make in (lambda: NgramDrafter(3, 1, 0), lambda: SuffixDrafter(8, 0.1, 4, num_branches=0)):
+        with pytest.raises(ValueError, match="num_branches must be >= 1, got 0"):
+            make()
+
+
+def test_tree_settings_are_checked_once_for_every_drafter():
+    from specdec.drafters.tree import check_tree_args
+
+    check_tree_args(1)
+    check_tree_args(8, 0.0)
+    check_tree_args(2, 1.0)
+    with pytest.raises(ValueError, match="num_branches must be >= 1, got 0"):
+        check_tree_args(0)
+    with pytest.raises(ValueError, match=r"min_branch_prob must be in \[0, 1\], got 1.5"):
+        check_tree_args(2, 1.5)

@@ -36,6 +36,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.cache.prefix_store import PrefixCache, common_prefix_length
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.tree import check_tree_args
 from specdec.engine.batch import ForwardBatch
 from specdec.models.layers import Linear
 from specdec.models.transformer import Transformer
@@ -68,10 +69,7 @@ class DraftModelDrafter(Drafter):
                  draft_token_ids: Sequence[int] | None = None) -> None:
         """draft_token_ids: the tokens the draft model may propose (a reduced draft vocabulary: only these rows of
         its output layer are computed); None = all."""
-        if num_branches < 1:
-            raise ValueError(f"num_branches must be >= 1, got {num_branches}")
-        if not 0.0 <= min_branch_prob <= 1.0:
-            raise ValueError(f"min_branch_prob must be in [0, 1], got {min_branch_prob}")
+        check_tree_args(num_branches, min_branch_prob)
         self.model = model
         self.draft_token_ids: torch.Tensor | None = None  # [draft vocab] int64, ascending
         self.draft_head: Linear | None = None  # the output layer's rows of draft_token_ids

@@ -17,6 +17,7 @@ import torch
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, HiddenStateDrafter, check_propose_args, unknown_request_error
+from specdec.drafters.tree import check_tree_args
 from specdec.heads.modules import EagleHead, MedusaHeads, TargetParts
 from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample
 
@@ -143,10 +144,7 @@ class EagleDrafter(HeadDrafter):
     def __init__(self, head: EagleHead, parts: TargetParts, vocab_size: int, max_num_seqs: int, max_model_len: int,
                  weight_format: str = "q8", num_branches: int = 1, min_branch_prob: float = 0.05) -> None:
         super().__init__(head, parts, vocab_size, weight_format)
-        if num_branches < 1:
-            raise ValueError(f"num_branches must be >= 1, got {num_branches}")
-        if not 0.0 <= min_branch_prob <= 1.0:
-            raise ValueError(f"min_branch_prob must be in [0, 1], got {min_branch_prob}")
+        check_tree_args(num_branches, min_branch_prob)
         self.num_branches = num_branches
         self.min_branch_prob = min_branch_prob
         self.cache = KVCache(head.cache_config(), max_num_seqs, max_model_len, parts.draft_lm_head.device)

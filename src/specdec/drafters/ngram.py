@@ -20,7 +20,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter, check_propose_args, unknown_request_error
-from specdec.drafters.tree import distinct_branches
+from specdec.drafters.tree import check_tree_args, distinct_branches
 
 _OCCURRENCES_PER_BRANCH = 4  # end positions kept per n-gram and branch (repeats give the same continuation)
 
@@ -106,8 +106,7 @@ class NgramDrafter(Drafter):
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got min={prompt_lookup_min}, "
                 f"max={prompt_lookup_max}"
             )
-        if num_branches < 1:
-            raise ValueError(f"num_branches must be >= 1, got {num_branches}")
+        check_tree_args(num_branches)
         self.prompt_lookup_max = prompt_lookup_max
         self.prompt_lookup_min = prompt_lookup_min
         self.num_branches = num_branches

@@ -40,7 +40,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter, check_propose_args, unknown_request_error
-from specdec.drafters.tree import distinct_branches
+from specdec.drafters.tree import check_tree_args, distinct_branches
 
 
 _EDGE_STRIDE = 1 << 32  # edge key = parent node * stride + token id (token ids < 2**32)
@@ -303,8 +303,7 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}")
         if cache_requests < 0:
             raise ValueError(f"cache_requests must be >= 0, got {cache_requests}")
-        if num_branches < 1:
-            raise ValueError(f"num_branches must be >= 1, got {num_branches}")
+        check_tree_args(num_branches)
         self.num_branches = num_branches
         self._greedy_request_ids: set[str] = set()
         self.max_depth = max_depth

@@ -104,3 +104,12 @@ def distinct_branches(branches: Iterable[Sequence[int]], limit: int) -> list[tup
         if not any(other[: len(branch)] == branch for other in kept):
             kept.append(branch)
     return kept
+
+
+def check_tree_args(num_branches: int, min_branch_prob: float | None = None) -> None:
+    """A drafter's tree settings: num_branches >= 1 (1 = chains), and min_branch_prob in [0, 1] for the drafters
+    that fork where they are unsure."""
+    if num_branches < 1:
+        raise ValueError(f"num_branches must be >= 1, got {num_branches}")
+    if min_branch_prob is not None and not 0.0 <= min_branch_prob <= 1.0:
+        raise ValueError(f"min_branch_prob must be in [0, 1], got {min_branch_prob}")
