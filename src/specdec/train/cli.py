@@ -54,11 +54,9 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from specdec.heads.config import save_head, target_fingerprint
     from specdec.runtime import configure_threads, default_device, load_model
-    from specdec.train.data import FeatureSpec, build_features, load_prompts, load_sequences
+    from specdec.train.data import FeatureSpec, load_prompts
 
     _check_arguments(args)
     configure_threads(args.threads)
@@ -71,9 +69,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
                        args.generate_batch, args.samples, args.sample_temperature)
     features = Path(args.features_dir or out.parent / f"{model_name}-features")
     started = time.perf_counter()
-    with tqdm(total=len(prompts) * args.samples, desc="target continuations", unit="sequence") as bar:
-        shards = build_features(target, tokenizer, prompts, features, spec, lambda done, _: bar.update(done - bar.n))
-    sequences = load_sequences(shards)
+    sequences = _cached_sequences(target, tokenizer, prompts, features, spec, "target continuations")
     data_s = time.perf_counter() - started
     num_tokens = sum(len(s.token_ids) for s in sequences)
     print(f"[data: {len(sequences)} sequences, {num_tokens} tokens in {features} ({data_s:.0f} s this run)]", file=sys.stderr)
@@ -119,19 +115,26 @@ def _check_arguments(args) -> None:
 def _held_out_sequences(args, target, tokenizer, prompt_files, features: Path):
     """The evaluation sequences (held-out prompts' greedy continuations and features, cached), or [] without
     --eval-prompts."""
-    from tqdm import tqdm
-
     from specdec.heads.config import target_fingerprint
-    from specdec.train.data import FeatureSpec, build_features, load_prompts, load_sequences
+    from specdec.train.data import FeatureSpec, load_prompts
 
     if args.eval_prompts <= 0:
         return []
     prompts = load_prompts(tokenizer, prompt_files, args.holdout_every, args.eval_prompts, held_out=True)
     spec = FeatureSpec(target_fingerprint(target), prompt_files, len(prompts), args.max_new_tokens, args.max_len,
                        args.generate_batch)
-    with tqdm(total=len(prompts), desc="held-out continuations", unit="prompt") as bar:
-        shards = build_features(target, tokenizer, prompts, Path(f"{features}-heldout{args.holdout_every}"), spec,
-                                lambda done, _: bar.update(done - bar.n))
+    return _cached_sequences(target, tokenizer, prompts, Path(f"{features}-heldout{args.holdout_every}"), spec,
+                             "held-out continuations")
+
+
+def _cached_sequences(target, tokenizer, prompts, directory: Path, spec, description: str):
+    """build_features (generating only the missing shards) under a progress bar, then the sequences of every shard."""
+    from tqdm import tqdm
+
+    from specdec.train.data import build_features, load_sequences
+
+    with tqdm(total=len(prompts) * spec.samples, desc=description, unit="sequence") as bar:
+        shards = build_features(target, tokenizer, prompts, directory, spec, lambda done, _: bar.update(done - bar.n))
     return load_sequences(shards)
 
 
