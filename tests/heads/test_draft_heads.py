@@ -14,7 +14,8 @@ from specdec.engine.batch import ForwardBatch
 from specdec.heads.config import HeadConfig, load_head, save_head, target_fingerprint
 from specdec.heads.modules import TargetParts
 from specdec.models.layers import Linear
-from specdec.train.data import TrainingSequence, generate_continuations, generate_training_sequences, hidden_states
+from specdec.engine.engine import Engine
+from specdec.train.data import TrainingSequence, generate_training_sequences
 from specdec.train.trainer import (Trainer, TrainSettings, chain_acceptance, draft_correctness, draft_vocabulary,
                                    pad_batch)
 
@@ -38,6 +39,34 @@ def head_config(model, method: str, draft_vocab_size: int | None = None) -> Head
         return HeadConfig(**common, num_medusa_heads=3)
     return HeadConfig(**common, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                       intermediate_size=2 * c.hidden_size, rope_theta=c.rope_theta)
+
+
+def generate_continuations(target, tokenizer, prompts, max_new_tokens, max_len, batch_size) -> list[list[int]]:
+    """prompt + greedy continuation per prompt (truncated to max_len tokens; the prompt to max_len - 1)."""
+    from specdec.drafters.ngram import NgramDrafter
+
+    engine = Engine(target, tokenizer, max_num_seqs=batch_size, max_model_len=max_len + 1, drafter=NgramDrafter(4, 2),
+                    num_speculative_tokens=4)
+    seqs = [engine.add_request(prompt[: max_len - 1], SamplingParams(max_tokens=max_new_tokens)) for prompt in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [(seq.prompt_token_ids + seq.output_token_ids)[:max_len] for seq in seqs]
+
+
+def hidden_states(target, sequences: list[list[int]], chunk: int = 512) -> list[torch.Tensor]:
+    """The reference features: one forward pass over each finished sequence -> final-normed hidden states of
+    every position, per sequence [T_i, hidden] fp32."""
+    cache = KVCache(target.config, len(sequences), max(len(s) for s in sequences), target.device,
+                    dtype=target.kv_cache_dtype)
+    rows: list[list[torch.Tensor]] = [[] for _ in sequences]
+    for start in range(0, max(len(s) for s in sequences), chunk):
+        live = [i for i, s in enumerate(sequences) if len(s) > start]
+        batch = ForwardBatch.build([sequences[i][start : start + chunk] for i in live], [start] * len(live), live,
+                                   all_logits=False, device=target.device)
+        hidden = target.forward_hidden(batch, cache).hidden  # [rows, hidden]
+        for i, part in zip(live, hidden.split(list(batch.row_counts))):
+            rows[i].append(part)
+    return [torch.cat(parts) for parts in rows]
 
 
 def training_sequences(model, tokenizer, prompts=TRAIN_PROMPTS, new_tokens=40) -> list[TrainingSequence]:

@@ -23,10 +23,8 @@ from typing import Callable, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Drafter, HiddenStateDrafter
-from specdec.engine.batch import ForwardBatch
 from specdec.engine.engine import Engine
 
 
@@ -76,28 +74,6 @@ def load_prompts(tokenizer, paths: Sequence[str], holdout_every: int = 0, limit:
     return [prompts[i * len(prompts) // limit] for i in range(limit)]
 
 
-def generate_continuations(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, max_len: int,
-                           batch_size: int) -> list[list[int]]:
-    """prompt + greedy continuation per prompt (truncated to max_len tokens; the prompt to max_len - 1)."""
-    from specdec.drafters.ngram import NgramDrafter
-
-    params = [SamplingParams(max_tokens=max_new_tokens)] * len(prompts)
-    seqs = _continue(target, tokenizer, prompts, params, max_len, batch_size, NgramDrafter(4, 2))
-    return [(seq.prompt_token_ids + seq.output_token_ids)[:max_len] for seq in seqs]
-
-
-def _continue(target, tokenizer, prompts: list[list[int]], params: Sequence[SamplingParams], max_len: int,
-              batch_size: int, drafter: Drafter) -> list:
-    """Runs an engine (n-gram speculation through `drafter`, lossless) to the end of every request -> its
-    finished Sequences, in order; prompts are truncated to max_len - 1 tokens."""
-    engine = Engine(target, tokenizer, max_num_seqs=batch_size, max_model_len=max_len + 1, drafter=drafter,
-                    num_speculative_tokens=4)
-    seqs = [engine.add_request(prompt[: max_len - 1], p) for prompt, p in zip(prompts, params)]
-    while engine.has_unfinished():
-        engine.step()
-    return seqs
-
-
 class HiddenRecorder(HiddenStateDrafter):
     """Drafts with `inner` and keeps every hidden row the engine hands over, per request, in order: the
     final-normed states of positions 0, 1, ... of the request's committed tokens."""
@@ -134,8 +110,12 @@ def generate_training_sequences(target, tokenizer, prompts: list[list[int]], max
     from specdec.drafters.ngram import NgramDrafter
 
     recorder = HiddenRecorder(NgramDrafter(4, 2))
-    seqs = _continue(target, tokenizer, prompts, [dataclasses.replace(p, max_tokens=max_new_tokens) for p in params],
-                     max_len, batch_size, recorder)
+    engine = Engine(target, tokenizer, max_num_seqs=batch_size, max_model_len=max_len + 1, drafter=recorder,
+                    num_speculative_tokens=4)
+    seqs = [engine.add_request(prompt[: max_len - 1], dataclasses.replace(p, max_tokens=max_new_tokens))
+            for prompt, p in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
     sequences = []
     for seq in seqs:
         hidden = recorder.take(seq.request_id)[: max_len]  # [T, hidden]: positions 0 .. T - 1
@@ -145,21 +125,6 @@ def generate_training_sequences(target, tokenizer, prompts: list[list[int]], max
         sequences.append(TrainingSequence(torch.tensor(token_ids, dtype=torch.int64), hidden,
                                           len(seq.prompt_token_ids)))
     return sequences
-
-
-def hidden_states(target, sequences: list[list[int]], chunk: int = 512) -> list[torch.Tensor]:
-    """The target's final-normed hidden states of every position, per sequence [T_i, hidden] fp32."""
-    cache = KVCache(target.config, len(sequences), max(len(s) for s in sequences), target.device,
-                    dtype=target.kv_cache_dtype)
-    rows: list[list[torch.Tensor]] = [[] for _ in sequences]
-    for start in range(0, max(len(s) for s in sequences), chunk):
-        live = [i for i, s in enumerate(sequences) if len(s) > start]
-        batch = ForwardBatch.build([sequences[i][start : start + chunk] for i in live], [start] * len(live), live,
-                                   all_logits=False, device=target.device)
-        hidden = target.forward_hidden(batch, cache).hidden  # [rows, hidden]
-        for i, part in zip(live, hidden.split(list(batch.row_counts))):
-            rows[i].append(part)
-    return [torch.cat(parts) for parts in rows]
 
 
 def build_features(target, tokenizer, prompts: list[list[int]], directory: Path, spec: FeatureSpec,
