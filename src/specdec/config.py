@@ -104,17 +104,20 @@ class SpeculativeConfig:
       prompt_lookup_min: shortest n-gram the ngram drafter tries to match (>= 1, <= prompt_lookup_max).
 
     Our key (token trees, greedy-only):
-      num_draft_branches: how many branches a drafter may propose per step, 1..8 (1 = chains, the
-          default). The branches are merged by shared prefixes into a token tree that the target verifies
-          in one forward; num_speculative_tokens bounds each branch's depth, and the engine caps the
-          tree's nodes at the sequence's share of max_verify_tokens rows. Trees are greedy-only: a sampled
-          request (temperature > 0) drafts and verifies one chain, whatever this key. Branches: ngram, the
-          continuations of earlier occurrences; suffix, the other continuations of the matched trie path;
-          draft_model, forks at runner-up tokens where the draft model is unsure, each continued greedily;
-          eagle, the head's best runner-up tokens along its chain, each ending its branch (medusa: chains only).
-      draft_tree_min_prob: draft_model and eagle trees: a runner-up token becomes a new branch only when the
-          draft probability of its path (the tokens before it times its own) is at least this, in [0, 1]
-          (default 0.05).
+      num_draft_branches: token trees, 1..8 (1 = chains, the default). The target verifies the tree in one
+          forward; num_speculative_tokens bounds its depth, and the engine caps its nodes at the sequence's
+          share of max_verify_tokens rows. Trees are greedy-only: a sampled request (temperature > 0) drafts
+          and verifies one chain, whatever this key. ngram: up to this many branches, the continuations of
+          earlier occurrences; suffix: the other continuations of the matched trie path. draft_model and
+          eagle grow EAGLE-2's dynamic tree of this width: at every depth the chain's node and the
+          num_draft_branches - 1 likeliest other nodes are expanded, each adding its num_draft_branches
+          likeliest next tokens; the chain comes first, then the other nodes by path probability (up to
+          num_draft_branches * num_speculative_tokens nodes), and with the adaptive draft policy the engine
+          keeps those that raise the step's expected tokens per second under the measured cost model
+          (medusa: chains only).
+      draft_tree_min_prob: draft_model and eagle trees: a node other than the chain's is expanded or
+          verified only when the draft probability of its path (the product of its tokens' draft
+          probabilities) is at least this, in [0, 1] (default 0.05).
       draft_prefix_cache_tokens: draft_model only: how many tokens of earlier requests' prompts the draft
           model's prefix store keeps (>= 0, default 4096; 0 disables it). A new request copies the draft
           cache entries of the longest shared prefix (at least 16 tokens) instead of prefilling them.

@@ -1,6 +1,6 @@
-"""Draft-model token trees: branch 0 is the chain; forks take runner-up tokens where the path is likely enough,
-and every branch continues exactly as the draft model decodes that path alone (branch j > 0 is computed at
-scratch positions with tree keys, sharing its parents' nodes)."""
+"""Draft-model token trees (EAGLE-2's dynamic tree): the first branch is the chain; the other nodes are the
+likeliest next tokens of the likeliest paths, each computed exactly as the draft model decodes its path alone
+(scratch positions with tree keys), weighed by its path probability."""
 import pytest
 import torch
 
@@ -31,43 +31,43 @@ def leaf_paths(tree):
 
 @pytest.mark.parametrize("architecture,overrides", [("llama", {}), ("gemma3", {"sliding_window": 3})])
 @pytest.mark.parametrize("num_branches", [2, 4])
-def test_tree_forks_at_runner_ups_and_continues_as_decoded_alone(make_tiny_model, architecture, overrides,
-                                                                   num_branches):
+def test_tree_nodes_are_the_likeliest_children_of_their_paths_decoded_alone(make_tiny_model, architecture, overrides,
+                                                                            num_branches):
+    """Every node of the dynamic tree is among the num_branches likeliest next tokens of its path run alone in a
+    fresh cache (so the scratch rows attend exactly their own paths), weighed by its path probability; the
+    first branch is the chain draft and the other nodes come best first."""
     model = make_tiny_model(architecture, **overrides)
     k = 5
     drafter = DraftModelDrafter(model, max_num_seqs=2, max_model_len=64, num_branches=num_branches, min_branch_prob=0.0)
     drafter.add_request("r", PROMPT, SamplingParams(), None)
     (draft,) = drafter.propose(["r"], [k])
-    assert draft.token_ids == chain(model, PROMPT, k)  # branch 0 is the chain draft
-    paths = leaf_paths(draft.tree)
-    assert len(paths) == num_branches  # with no threshold every branch slot is used
-    forks = 0
-    for path in paths:
-        assert len(path) == k
-        for depth in range(k):  # every token is what the draft model, run alone on the path so far, ranks
-            probs, best = next_token_probs(model, PROMPT + path[:depth])  # first (greedy) or second (a fork)
-            runner_up = int(probs.clone().index_fill_(0, torch.tensor([best]), -1.0).argmax())
-            assert path[depth] in (best, runner_up), (path, depth)
-            forks += path[depth] != best
-    assert forks >= num_branches - 1
+    tree = draft.tree
+    assert draft.token_ids == chain(model, PROMPT, k)  # the first branch is the chain draft
+    assert tree.num_nodes == num_branches * k and max(tree.depths()) == k - 1  # no threshold: every node slot used
+    for node in range(tree.num_nodes):
+        path = [tree.token_ids[n] for n in tree.path(node)]
+        probs, best = next_token_probs(model, PROMPT + path[:-1])
+        assert path[-1] in probs.topk(num_branches).indices.tolist(), (node, path)
+        parent_worth = 1.0 if tree.parents[node] < 0 else tree.worths[tree.parents[node]]
+        assert tree.worths[node] == pytest.approx(parent_worth * float(probs[path[-1]]), rel=1e-4)
+    extra = tree.worths[len(draft.token_ids):]
+    assert list(extra) == sorted(extra, reverse=True)
 
 
-def test_forks_respect_the_threshold_and_budget(make_tiny_model):
+def test_tree_nodes_respect_the_threshold(make_tiny_model):
     model = make_tiny_model("qwen2")
     k = 4
-    # a fork is worth the draft probability of its path (< 1): a threshold of 1 allows none -> a chain
+    # a node is worth the draft probability of its path (< 1): a threshold of 1 allows none -> a chain
     drafter = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, num_branches=3, min_branch_prob=1.0)
     drafter.add_request("r", PROMPT, SamplingParams(), None)
     (draft,) = drafter.propose(["r"], [k])
     assert draft.tree is None and draft.token_ids == chain(model, PROMPT, k)
-    # one fork slot and no threshold: the slot goes to the first offer, the root's runner-up, continued greedily
-    drafter = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, num_branches=2, min_branch_prob=0.0)
+    # a threshold keeps only nodes worth it (and drops the rest of their subtrees with them)
+    drafter = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, num_branches=3, min_branch_prob=0.02)
     drafter.add_request("r", PROMPT, SamplingParams(), None)
     (draft,) = drafter.propose(["r"], [k])
-    probs, best = next_token_probs(model, PROMPT)
-    runner_up = int(probs.clone().index_fill_(0, torch.tensor([best]), -1.0).argmax())
-    assert leaf_paths(draft.tree) == [list(chain(model, PROMPT, k)),
-                                      [runner_up, *chain(model, PROMPT + [runner_up], k - 1)]]
+    extra = draft.tree.worths[k:]
+    assert extra and min(extra) >= 0.02 and draft.tree.num_nodes < 3 * k
 
 
 def test_sampled_requests_draft_chains(make_tiny_model):

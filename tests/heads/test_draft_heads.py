@@ -140,14 +140,14 @@ def test_unrolled_training_steps_see_what_a_chain_draft_sees(make_tiny_model):
     for row in range(2):
         for start in (2, 5, 9):  # real pairs at 0 .. start - 1, then two drafted positions
             cache = KVCache(head.cache_config(), 1, 64)
-            positions = torch.arange(start)
-            step_one = head.forward_cached(embeds[row, :start], hidden[row, :start], positions, torch.zeros(start, dtype=torch.int64), cache)
+            real_pairs = ForwardBatch.build([[0] * start], [0], [0], all_logits=True)
+            step_one = head.forward_cached(real_pairs, embeds[row, :start], hidden[row, :start], cache)
             assert torch.allclose(step_one, unrolled[0][row, :start], atol=1e-5)
             predicted = step_one[-1:]
             for depth in (2, 3):
                 position = start + depth - 2
-                predicted = head.forward_cached(embeds[row, position : position + 1], predicted, torch.tensor([position]),
-                                                torch.zeros(1, dtype=torch.int64), cache)
+                draft_row = ForwardBatch.build([[0]], [position], [0], all_logits=True)
+                predicted = head.forward_cached(draft_row, embeds[row, position : position + 1], predicted, cache)
                 assert torch.allclose(predicted[0], unrolled[depth - 1][row, position], atol=1e-5), (row, start, depth)
     other = head.forward_unrolled(embeds, hidden.roll(1, dims=1), steps=2)[1]  # the check above can fail
     assert not torch.allclose(other, unrolled[1], atol=1e-3)
@@ -164,11 +164,11 @@ def test_heads_draft_with_int8_copies_of_their_weights(trained_heads, make_tiny_
     torch.manual_seed(0)
     rows, hidden_size = 6, trainer.config.hidden_size
     embeds, hidden = torch.randn(rows, hidden_size), torch.randn(rows, hidden_size)
-    positions, slots = torch.arange(rows), torch.zeros(rows, dtype=torch.int64)
+    batch = ForwardBatch.build([[0] * rows], [0], [0], all_logits=True)  # the head reads embeds, not token ids
 
     def predict(projections):
         cache = KVCache(trainer.head.cache_config(), 1, 64)
-        return trainer.head.forward_cached(embeds, hidden, positions, slots, cache, projections)
+        return trainer.head.forward_cached(batch, embeds, hidden, cache, projections)
 
     modules = predict(None)
     assert torch.equal(predict(fp32.projections), modules)

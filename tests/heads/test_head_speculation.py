@@ -114,23 +114,85 @@ def test_greedy_output_with_an_eagle_tree_identical_to_plain(make_tiny_model, ti
     assert tree_length > chain_length if batch == 4 else tree_length >= chain_length
 
 
-def test_eagle_forks_are_the_best_runner_ups_of_the_chain():
-    from specdec.drafters.heads import _Forks
+def test_growing_tree_expands_and_keeps_the_likeliest_paths():
+    """EAGLE-2's dynamic tree on hand-made distributions: which nodes are expanded, where their rows sit in the
+    cache and what they attend, and which nodes the draft keeps (chain first, then by path probability)."""
+    from specdec.drafters.growth import GrowingTree
 
-    draft_token_ids = torch.tensor([10, 11, 12, 13])
-    forks = _Forks()
-    depth_logits = [torch.tensor([0.6, 0.3, 0.1, 0.0]).log(),  # chain 10 (0.6), runner-up 11 worth 0.3
-                    torch.tensor([0.1, 0.1, 0.45, 0.35]).log(),  # chain 12 (0.45), runner-up 13 worth 0.6 * 0.35
-                    torch.tensor([0.06, 0.9, 0.04, 0.0]).log()]  # chain 11 (0.9), runner-up 10 worth 0.27 * 0.06
-    for depth, (logits, chosen) in enumerate(zip(depth_logits, [10, 12, 11])):
-        forks.offer(logits, chosen, depth, draft_token_ids)
-    assert [(round(w, 4), d, t) for w, d, t in forks.offers] == [(0.3, 0, 11), (0.21, 1, 13), (0.0162, 2, 10)]
-    assert forks.chain_prob == pytest.approx(0.6 * 0.45 * 0.9)
-    draft = forks.tree([10, 12, 11], max_forks=2, min_prob=0.05)
-    assert draft.token_ids == (10, 12, 11) and draft.draft_probs is None
-    assert draft.tree.token_ids == (10, 12, 11, 11, 13) and draft.tree.parents == (-1, 0, 1, -1, 0)
-    assert forks.tree([10, 12, 11], max_forks=3, min_prob=0.25).tree.token_ids == (10, 12, 11, 11)
-    assert forks.tree([10, 12, 11], max_forks=3, min_prob=0.5).tree is None  # no fork worth it: the chain
+    def grown(max_nodes):
+        tree = GrowingTree(base=10, max_depth=3, width=2, min_prob=0.05, max_nodes=max_nodes, cache_len=100)
+        tree.add_children(-1, 10, 0.6, [10, 11], [0.6, 0.3])  # nodes 0 (chain, 0.6), 1 (0.3)
+        assert tree.to_expand(0) == [0, 1]
+        rows = tree.rows([0, 1])
+        assert rows.positions == (10, 10) and rows.cache_positions == (10, 13)  # 13: the first scratch position
+        assert rows.prefix_ends == (11, 10) and rows.tree_keys == ((), (13,))
+        tree.add_children(0, 12, 0.45, [12, 13], [0.45, 0.35])  # nodes 2 (chain, 0.27), 3 (0.21)
+        tree.add_children(1, 10, 0.9, [10, 11], [0.9, 0.05])  # nodes 4 (0.27), 5 (0.015: below min_prob)
+        assert tree.to_expand(1) == [2, 4]  # the chain's node, then the likeliest other (4 before 3)
+        rows = tree.rows([2, 4])
+        assert rows.positions == (11, 11) and rows.cache_positions == (11, 14)
+        assert rows.prefix_ends == (12, 10) and rows.tree_keys == ((), (13, 14))  # node 4's path: 1 then itself
+        assert tree.to_expand(2) == []  # the last depth
+        tree.add_children(2, 11, 0.9, [11, 10], [0.9, 0.06])  # nodes 6 (chain, 0.243), 7 (0.0162)
+        tree.add_children(4, 12, 0.5, [13, 12], [0.5, 0.5])  # the argmax comes first: nodes 8 (12), 9 (13), 0.135 each
+        return tree
+
+    chain, tree = grown(max_nodes=6).draft()
+    assert chain == (10, 12, 11)
+    assert tree.token_ids == (10, 12, 11, 11, 10, 13) and tree.parents == (-1, 0, 1, -1, 3, 0)
+    chain, tree = grown(max_nodes=20).draft()  # every node worth min_prob, ties by depth then order
+    assert tree.token_ids == (10, 12, 11, 11, 10, 13, 12, 13) and tree.parents == (-1, 0, 1, -1, 3, 0, 4, 4)
+    assert [round(node.path_prob, 4) for node in grown(6).nodes] == [0.6, 0.3, 0.27, 0.21, 0.27, 0.015, 0.243,
+                                                                     0.0162, 0.135, 0.135]
+    sure = GrowingTree(base=0, max_depth=1, width=3, min_prob=0.05, max_nodes=3, cache_len=8)
+    sure.add_children(-1, 7, 0.97, [7, 8, 9], [0.97, 0.02, 0.01])
+    assert sure.draft() == ((7,), None)  # nothing else worth it: the chain alone
+    cramped = GrowingTree(base=4, max_depth=3, width=3, min_prob=0.0, max_nodes=9, cache_len=8)
+    cramped.add_children(-1, 1, 0.5, [1, 2, 3], [0.5, 0.3, 0.2])
+    assert cramped.to_expand(0) == [0, 1]  # one scratch position left (7): one node besides the chain's
+    with pytest.raises(ValueError, match="width >= 2"):
+        GrowingTree(base=0, max_depth=2, width=1, min_prob=0.0, max_nodes=4, cache_len=8)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "gemma3"])
+def test_eagle_tree_first_branch_is_the_chain_draft(make_tiny_model, tiny_tokenizer, trained_heads, architecture):
+    """A chain drafter fed exactly what the tree drafter is fed proposes, at every step, the tree's first branch:
+    the tree's extra rows (scratch positions, other nodes in the same head forwards) leave the chain untouched."""
+    from specdec.drafters.base import HiddenStateDrafter
+    from specdec.drafters.heads import EagleDrafter
+
+    model = make_tiny_model(architecture)
+    trainer = trained_heads(architecture, "eagle")
+    make = lambda branches: EagleDrafter(trainer.head, trainer.parts, model.config.vocab_size, 4, 256,  # noqa: E731
+                                         num_branches=branches, min_branch_prob=0.0)
+    tree_drafter, chain_drafter = make(3), make(1)
+    trees = []
+
+    class Mirror(HiddenStateDrafter):
+        def add_request(self, *args):
+            tree_drafter.add_request(*args), chain_drafter.add_request(*args)
+
+        def observe(self, *args):
+            tree_drafter.observe(*args), chain_drafter.observe(*args)
+
+        def observe_target_hidden(self, *args):
+            tree_drafter.observe_target_hidden(*args), chain_drafter.observe_target_hidden(*args)
+
+        def remove_request(self, *args):
+            tree_drafter.remove_request(*args), chain_drafter.remove_request(*args)
+
+        def propose(self, request_ids, max_draft_tokens):
+            drafts = tree_drafter.propose(request_ids, max_draft_tokens)
+            chains = chain_drafter.propose(request_ids, max_draft_tokens)
+            assert [d.token_ids for d in drafts] == [c.token_ids for c in chains]
+            trees.extend(d.tree for d in drafts if d.tree is not None)
+            return drafts
+
+    params = SamplingParams(max_tokens=30)
+    plain, _ = run(model, tiny_tokenizer, PROMPTS[:3], params)
+    mirrored, _ = run(model, tiny_tokenizer, PROMPTS[:3], params, Mirror(), k=4)
+    assert [s.output_token_ids for s in mirrored] == [s.output_token_ids for s in plain]
+    assert trees and max(tree.num_nodes for tree in trees) > 4  # trees were grown beyond a chain of 4
 
 
 def test_sampled_requests_draft_eagle_chains_and_medusa_refuses_trees(make_tiny_model, tiny_tokenizer, trained_heads):
@@ -148,3 +210,38 @@ def test_sampled_requests_draft_eagle_chains_and_medusa_refuses_trees(make_tiny_
     with pytest.raises(ValueError, match="num_draft_branches > 1 .* not available for method 'medusa'"):
         SpeculativeConfig.from_dict({"method": "medusa", "model": "x.safetensors", "num_speculative_tokens": 3,
                                      "num_draft_branches": 2})
+
+
+def test_engine_cuts_weighed_eagle_trees_to_what_the_policy_keeps(make_tiny_model, tiny_tokenizer, trained_heads):
+    """The draft policy decides how many of an EAGLE tree's extra nodes a step verifies: with none kept the trees
+    are verified as their chains (same tokens per step as the chain drafter), with all kept they are larger."""
+    from specdec.drafters.heads import EagleDrafter
+    from specdec.engine.draft_policy import BatchDraftPolicy
+
+    class Keep(BatchDraftPolicy):
+        def __init__(self, keep):
+            super().__init__(4, 32)
+            object.__setattr__(self, "keep", keep)
+
+        def tree_nodes(self, seqs, draft_lengths, verified_nodes, extra_worths, batch_size):
+            assert all(list(w) == sorted(w, reverse=True) for w in extra_worths)  # best first
+            return [min(self.keep, len(w)) for w in extra_worths]
+
+    model = make_tiny_model("qwen2")
+    trainer = trained_heads("qwen2", "eagle")
+    params = SamplingParams(max_tokens=30)
+    rows_per_policy = {}
+    for keep in (0, 100):
+        drafter = EagleDrafter(trainer.head, trainer.parts, model.config.vocab_size, 4, 256, num_branches=3,
+                               min_branch_prob=0.0)
+        engine_rows = []
+        original = model.forward_hidden
+        model.forward_hidden = lambda batch, cache: (engine_rows.append(max(batch.row_counts)), original(batch, cache))[1]
+        try:
+            seqs, engine = run(model, tiny_tokenizer, PROMPTS[:2], params, drafter, k=4, draft_policy=Keep(keep))
+        finally:
+            del model.forward_hidden
+        rows_per_policy[keep] = (max(engine_rows[1:]), engine.metrics.mean_accepted_length)
+    chain_seqs, chain_engine = run(model, tiny_tokenizer, PROMPTS[:2], params, make_head_drafter(trainer, model), k=4)
+    assert rows_per_policy[0] == (5, chain_engine.metrics.mean_accepted_length)  # last token + a chain of 4
+    assert rows_per_policy[100][0] > 5

@@ -6,15 +6,12 @@ sequence stays valid (rollback = truncating that list), and the next proposal fi
 draft model has not seen yet — the recovered/bonus token, and after a fully accepted draft also the last
 draft token (catch-up), all in the same batched forward.
 
-With num_branches = b > 1, a greedy request drafts a token tree grown where the draft model is unsure
-(EAGLE-2's idea, decided online): branch 0 is the argmax chain, exactly the chain draft; at every depth each
-live branch offers its runner-up token as a fork, worth the draft probability of the path up to it, and the
-best offers whose worth reaches `min_branch_prob` become new branches while fewer than b exist. Every branch
-then continues greedily; all are advanced together, one row each, in every later forward. Branch 0 sits in
-place in the draft cache; branch j > 0 writes its nodes at scratch positions base + j * k + depth and attends
-the committed prefix, the in-place nodes of branch 0 it shares, the scratch nodes it shares with the branch it
-forked from, and its own, so its tokens are those of the same path decoded alone. Sampled requests draft
-chains.
+With num_branches = b > 1 a greedy request drafts EAGLE-2's dynamic tree (drafters.growth): at every depth the
+draft model expands the chain's node and the b - 1 other nodes whose paths it finds likeliest, one row each in
+the same forward (the chain in place in the draft cache, the others at scratch positions attending their own
+paths, so each row is its path decoded alone), and each adds its b most likely next tokens. The chain is exactly
+the chain draft; the other nodes follow it best first, weighed by their path probability, and the engine keeps
+those worth their verify rows. Sampled requests draft chains.
 
 With draft_token_ids (`draft_vocab_size`), the draft model computes only those rows of its output layer (the
 first ids of a byte-level BPE vocabulary are its most frequent merges, plus the end-of-sequence tokens) and
@@ -36,6 +33,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.cache.prefix_store import PrefixCache, common_prefix_length
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.growth import depth_batches, new_growth
 from specdec.drafters.tree import check_tree_args
 from specdec.engine.batch import ForwardBatch
 from specdec.models.layers import Linear
@@ -51,16 +49,6 @@ class _DraftState:
     token_ids: list[int]  # committed sequence (prompt + output)
     cached_token_ids: list[int] = field(default_factory=list)  # tokens with valid draft-cache entries, by position
     prefix_saved: bool = False  # its prompt's draft-cache entries went to the prefix store
-
-
-@dataclass
-class _Branch:
-    """One branch of a greedy draft tree while it is drafted."""
-
-    token_ids: list[int]  # its draft tokens from depth 0 (the prefix it shares with its parent included)
-    path_prob: float = 1.0  # draft probability of its tokens so far (product over depths)
-    shared_depth: int = 0  # leading nodes it shares with branch 0 (in place in the draft cache); unused for branch 0
-    scratch_positions: list[int] = field(default_factory=list)  # draft-cache positions of its fed scratch nodes
 
 
 class DraftModelDrafter(Drafter):
@@ -119,27 +107,26 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
         states = [self.states[request_id] for request_id in request_ids]
-        branches: list[list[_Branch]] = [[_Branch([])] for _ in states]  # per request; branch 0 = the chain
-        draft_probs: list[list[torch.Tensor]] = [[] for _ in states]
-        # Step 0 feeds every token the draft cache lacks; later steps feed each branch's last token.
+        growths = [new_growth(len(state.token_ids), budget, state.params.greedy,
+                              lambda logits, state=state: self._draft_token(state, logits), self.num_branches,
+                              self.min_branch_prob, self.cache.max_len)
+                   for state, budget in zip(states, max_draft_tokens)]
+        # Depth 0 feeds every token the draft cache lacks; later depths feed each draft's newest rows.
         active = [i for i, budget in enumerate(max_draft_tokens) if budget > 0]
         if active:
             for i in active:
                 self._reuse_prefix(states[i])
             pending = [states[i].token_ids[len(states[i].cached_token_ids):] for i in active]
             logits = self._forward([states[i] for i in active], pending)  # [active, vocab]
-            for i in active:
-                self._save_prefix(states[i])
             for row, i in enumerate(active):
-                self._next_tokens(states[i], branches[i], logits[row : row + 1], max_draft_tokens[i], draft_probs[i])
-            active = [i for i in active if len(branches[i][0].token_ids) < max_draft_tokens[i]]
-        while active:
-            logits_per_seq = self._forward_branches([states[i] for i in active], [branches[i] for i in active],
-                                                    [max_draft_tokens[i] for i in active])  # each [branches, vocab]
-            for i, logits in zip(active, logits_per_seq):
-                self._next_tokens(states[i], branches[i], logits, max_draft_tokens[i], draft_probs[i])
-            active = [i for i in active if len(branches[i][0].token_ids) < max_draft_tokens[i]]
-        return [self._draft(request_branches, probs) for request_branches, probs in zip(branches, draft_probs)]
+                self._save_prefix(states[i])
+                growths[i].first(logits[row : row + 1])
+        for fed, batch in depth_batches(growths, active, [state.slot for state in states], self.model.device):
+            logits = self._logits(batch)  # [rows, vocab]
+            for (i, rows), seq_logits in zip(fed.items(), batch.split_logits(logits)):
+                states[i].cached_token_ids.append(rows.token_ids[0])  # the first row sits in place (the chain's)
+                growths[i].add(seq_logits)
+        return [growth.draft() for growth in growths]
 
     @property
     def reused_prefix_tokens(self) -> int:
@@ -160,61 +147,6 @@ class DraftModelDrafter(Drafter):
         if self.prefixes is not None and not state.prefix_saved:
             self.prefixes.keep(self.cache, state.slot, state.cached_token_ids)
             state.prefix_saved = True
-
-    def _num_branches(self, state: _DraftState, max_tokens: int) -> int:
-        """Branches of a greedy request's tree, as many as fit in the draft cache's scratch positions."""
-        if not state.params.greedy:
-            return 1
-        room = (self.cache.max_len - len(state.token_ids)) // max_tokens
-        return max(1, min(self.num_branches, room))
-
-    def _next_tokens(self, state: _DraftState, branches: list[_Branch], logits: torch.Tensor, max_tokens: int,
-                     draft_probs: list[torch.Tensor]) -> None:
-        """logits [branches, vocab]: every branch's next token; for a tree, also the forks worth taking."""
-        max_branches = self._num_branches(state, max_tokens)
-        if max_branches == 1:
-            token_id, probs = self._draft_token(state, logits)
-            branches[0].token_ids.append(token_id)
-            if probs is not None:
-                draft_probs.append(probs)
-            return
-        probs = torch.softmax(logits.float(), dim=-1)  # [branches, vocab]
-        best = greedy_tokens(logits).tolist()  # the chain's choice (ties: the first index)
-        top2_probs, top2_ids = probs.topk(2, dim=-1)  # each [branches, 2]
-        offers = []  # (worth, branch index, runner-up token)
-        for index, (branch, best_id) in enumerate(zip(branches, best)):
-            ids, values = top2_ids[index].tolist(), top2_probs[index].tolist()
-            runner_up = 1 if ids[0] == best_id else 0
-            offers.append((branch.path_prob * values[runner_up], index, ids[runner_up]))
-            branch.path_prob *= float(probs[index, best_id])
-        depth = len(branches[0].token_ids)
-        forks = []
-        for worth, index, token_id in sorted(offers, key=lambda offer: -offer[0]):
-            if len(branches) + len(forks) >= max_branches or worth < self.min_branch_prob:
-                break
-            parent = branches[index]
-            forks.append(_Branch(parent.token_ids[:depth] + [token_id], worth,
-                                 depth if index == 0 else parent.shared_depth, list(parent.scratch_positions)))
-        for branch, best_id in zip(branches, best):
-            branch.token_ids.append(best_id)
-        branches.extend(forks)
-
-    @staticmethod
-    def _draft(branches: list[_Branch], draft_probs: list[torch.Tensor]) -> Draft:
-        if len(branches) == 1:
-            return Draft(tuple(branches[0].token_ids), torch.cat(draft_probs) if draft_probs else None)
-        return Draft.from_branches([branch.token_ids for branch in branches])
-
-    def _forward_branches(self, states: list[_DraftState], branches: list[list[_Branch]],
-                          max_tokens: list[int]) -> list[torch.Tensor]:
-        """Feeds every branch's last token (one row per branch); returns per request [branches, vocab]."""
-        rows = [_branch_rows(len(state.token_ids), request_branches, k)
-                for state, request_branches, k in zip(states, branches, max_tokens)]
-        batch = ForwardBatch.from_rows(*zip(*rows), [state.slot for state in states], device=self.model.device)
-        logits = self._logits(batch)  # [rows, vocab]
-        for state, request_branches in zip(states, branches):
-            state.cached_token_ids.append(request_branches[0].token_ids[-1])  # branch 0 sits in place
-        return batch.split_logits(logits)
 
     def _forward(self, states: list[_DraftState], new_tokens: list[list[int]]) -> torch.Tensor:
         batch = ForwardBatch.build(
@@ -237,25 +169,3 @@ class DraftModelDrafter(Drafter):
         probs = logits_to_probs(logits, state.params)  # [1, vocab]
         return int(sample(probs, state.generator)[0]), probs
 
-
-def _branch_rows(base: int, branches: list[_Branch], max_tokens: int):
-    """Rows feeding each branch's last token: (tokens, RoPE positions, cache positions, prefix ends, tree keys).
-
-    The token at depth d belongs at RoPE position base + d. Branch 0 is stored in place (prefix end
-    base + d + 1); branch j > 0 stores its depth-d node at base + j * max_tokens + d and attends the
-    positions < base + shared_depth plus its scratch positions (recorded here as each node is fed).
-    """
-    depth = len(branches[0].token_ids) - 1
-    cache_positions, prefix_ends, tree_keys = [], [], []
-    for j, branch in enumerate(branches):
-        if j == 0:
-            cache_positions.append(base + depth)
-            prefix_ends.append(base + depth + 1)
-            tree_keys.append([])
-            continue
-        branch.scratch_positions.append(base + j * max_tokens + depth)
-        cache_positions.append(branch.scratch_positions[-1])
-        prefix_ends.append(base + branch.shared_depth)
-        tree_keys.append(list(branch.scratch_positions))
-    return ([branch.token_ids[-1] for branch in branches], [base + depth] * len(branches), cache_positions,
-            prefix_ends, tree_keys)

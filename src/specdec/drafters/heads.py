@@ -17,7 +17,9 @@ import torch
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, HiddenStateDrafter, check_propose_args, unknown_request_error
+from specdec.drafters.growth import depth_batches, new_growth
 from specdec.drafters.tree import check_tree_args
+from specdec.engine.batch import ForwardBatch
 from specdec.heads.modules import EagleHead, MedusaHeads, TargetParts
 from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample
 
@@ -101,42 +103,16 @@ def _drafts(drafted: list[list[int]], probs: list[list[torch.Tensor]]) -> list[D
     return [Draft(tuple(tokens), torch.cat(p) if p else None) for tokens, p in zip(drafted, probs)]
 
 
-@dataclass
-class _Forks:
-    """A greedy chain's runner-up tokens while it is drafted: offers (worth, depth, token id), where worth is the
-    draft probability of the chain before `depth` times the runner-up's own."""
-
-    chain_prob: float = 1.0
-    offers: list[tuple[float, int, int]] = field(default_factory=list)
-
-    def offer(self, logits: torch.Tensor, chosen_token_id: int, depth: int, draft_token_ids: torch.Tensor) -> None:
-        """logits [draft vocab] at `depth`, where the chain took chosen_token_id."""
-        probs = torch.softmax(logits.float(), dim=-1)  # [draft vocab]
-        top_probs, top_rows = probs.topk(min(2, probs.shape[0]))
-        top_ids = draft_token_ids[top_rows].tolist()
-        if chosen_token_id not in top_ids:  # cannot happen for argmax; keeps the bookkeeping honest
-            raise RuntimeError(f"greedy draft {chosen_token_id} is not among the head's top tokens {top_ids}")
-        chosen = top_ids.index(chosen_token_id)
-        if len(top_ids) == 2:
-            self.offers.append((self.chain_prob * float(top_probs[1 - chosen]), depth, top_ids[1 - chosen]))
-        self.chain_prob *= float(top_probs[chosen])
-
-    def tree(self, chain: list[int], max_forks: int, min_prob: float) -> Draft:
-        """The chain plus its best max_forks offers worth >= min_prob, each as a branch ending at its fork."""
-        best = sorted((o for o in self.offers if o[0] >= min_prob), key=lambda o: (-o[0], o[1]))[:max_forks]
-        return Draft.from_branches([chain] + [chain[:depth] + [token_id] for _, depth, token_id in best])
-
-
 class EagleDrafter(HeadDrafter):
     """Step 0 feeds every pair (hidden(t), token(t + 1)) the head cache lacks and drafts from the last row;
     step j feeds (predicted state, draft j) at the next position. Afterwards only the real pairs count as
     cached (rollback by length): the next step's real hidden rows overwrite the drafted positions.
 
-    num_branches = b > 1 (greedy requests; EAGLE-2's dynamic tree by draft confidence, in its cheapest form):
-    the chain is drafted as above, and at every depth d the head's runner-up token is an offer worth the draft
-    probability of the chain up to d times its own; the best b - 1 offers worth at least min_branch_prob become
-    branches chain[:d] + [runner-up] of the tree the target verifies. They end there, so they cost the head
-    nothing more: one verify row each. Sampled requests draft chains.
+    num_branches = b > 1 (greedy requests): EAGLE-2's dynamic tree by draft confidence (drafters.growth.GrowingTree).
+    At every depth the head expands the chain's node and the b - 1 other nodes whose paths it finds likeliest
+    (one head row each, all requests in one forward), each adding its b best next tokens; the draft is the chain
+    then the other nodes by path probability (at least min_branch_prob), up to b * k nodes, which the engine cuts
+    to its row budget. The chain is exactly the chain draft. Sampled requests draft chains.
     """
 
     forward_per_draft_token = True
@@ -161,54 +137,45 @@ class EagleDrafter(HeadDrafter):
     def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
         check_propose_args(request_ids, max_draft_tokens)
         states = [self._state(request_id) for request_id in request_ids]
-        drafted: list[list[int]] = [[] for _ in states]
-        probs: list[list[torch.Tensor]] = [[] for _ in states]
+        growths = [new_growth(state.num_hidden, budget, state.params.greedy,
+                              lambda logits, state=state: self._draft_token(state, logits), self.num_branches,
+                              self.min_branch_prob, self.cache.max_len, self.parts.draft_token_ids)
+                   for state, budget in zip(states, max_draft_tokens)]
         active = [i for i, (state, budget) in enumerate(zip(states, max_draft_tokens)) if budget > 0 and state.pending_hidden]
-        forks = {i: _Forks() for i in active if self.num_branches > 1 and states[i].params.greedy}
         predicted = self._consume_pending([states[i] for i in active])  # [active, hidden]
-        step = 0
-        while active:
-            logits = self.parts.draft_logits(predicted, self.draft_lm_head)  # [active, draft vocab]
-            for row, i in enumerate(active):
-                token_id, token_probs = self._draft_token(states[i], logits[row : row + 1])
-                if i in forks:
-                    forks[i].offer(logits[row], token_id, len(drafted[i]), self.parts.draft_token_ids)
-                drafted[i].append(token_id)
-                if token_probs is not None:
-                    probs[i].append(token_probs)
-            keep = [row for row, i in enumerate(active) if len(drafted[i]) < max_draft_tokens[i]]
-            active, predicted = [active[row] for row in keep], predicted[keep]
-            if active:
-                predicted = self._feed_drafts([states[i] for i in active], [drafted[i][-1] for i in active], predicted, step)
-                step += 1
-        drafts = _drafts(drafted, probs)
-        for i, request_forks in forks.items():
-            drafts[i] = request_forks.tree(drafted[i], self.num_branches - 1, self.min_branch_prob)
-        return drafts
+        # the predicted state each next row is drafted from, per request and tree node (-1: the root; a chain's
+        # newest prediction replaces its -1 after every depth)
+        node_state = {i: {-1: predicted[row]} for row, i in enumerate(active)}
+        logits = self.parts.draft_logits(predicted, self.draft_lm_head)  # [active, draft vocab]
+        for row, i in enumerate(active):
+            growths[i].first(logits[row : row + 1])
+        for fed, batch in depth_batches(growths, active, [state.slot for state in states], predicted.device):
+            hidden = torch.stack([node_state[i][-1 if node is None else growths[i].tree.nodes[node].parent]
+                                  for i, rows in fed.items() for node in (rows.nodes or (None,))])  # [rows, hidden]
+            out = self.head.forward_cached(batch, self.parts.embed(batch.token_ids), hidden, self.cache,
+                                           self.projections)  # [rows, hidden]
+            logits = self.parts.draft_logits(out, self.draft_lm_head)  # [rows, draft vocab]
+            for (i, rows), seq_out, seq_logits in zip(fed.items(), out.split(list(batch.row_counts)),
+                                                      logits.split(list(batch.row_counts))):
+                for row, node in enumerate(rows.nodes or (-1,)):
+                    node_state[i][node] = seq_out[row]
+                growths[i].add(seq_logits)
+        return [growth.draft() for growth in growths]
 
     def _consume_pending(self, states: list[_HeadState]) -> torch.Tensor:
         """Feeds every request's unconsumed real pairs; returns the last row's predicted state [len(states), hidden]."""
         if not states:
             return torch.empty(0, self.head.config.hidden_size)
         hidden = torch.cat([row for state in states for row in state.pending_hidden])  # [pairs, hidden]
-        tokens = [tok for state in states for tok in state.token_ids[state.consumed + 1 : state.num_hidden + 1]]
-        positions = [pos for state in states for pos in range(state.consumed, state.num_hidden)]
-        slots = [state.slot for state in states for _ in range(state.consumed, state.num_hidden)]
-        out = self._forward(tokens, hidden, positions, slots)  # [pairs, hidden]
-        last_rows = torch.tensor([state.num_hidden - state.consumed for state in states]).cumsum(0) - 1
+        batch = ForwardBatch.build([state.token_ids[state.consumed + 1 : state.num_hidden + 1] for state in states],
+                                   [state.consumed for state in states], [state.slot for state in states],
+                                   all_logits=True, device=hidden.device)
+        out = self.head.forward_cached(batch, self.parts.embed(batch.token_ids), hidden, self.cache,
+                                       self.projections)  # [pairs, hidden]
+        last_rows = torch.tensor(batch.row_counts).cumsum(0) - 1
         for state in states:
             state.consumed, state.pending_hidden = state.num_hidden, []
         return out[last_rows]
-
-    def _feed_drafts(self, states: list[_HeadState], tokens: list[int], predicted: torch.Tensor, step: int) -> torch.Tensor:
-        """predicted [len(states), hidden]: the state draft `step` was drafted from -> the next predicted states."""
-        positions = [state.num_hidden + step for state in states]
-        return self._forward(tokens, predicted, positions, [state.slot for state in states])
-
-    def _forward(self, tokens: list[int], hidden: torch.Tensor, positions: list[int], slots: list[int]) -> torch.Tensor:
-        as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=hidden.device)  # noqa: E731
-        embeds = self.parts.embed(as_long(tokens))  # [rows, hidden]
-        return self.head.forward_cached(embeds, hidden, as_long(positions), as_long(slots), self.cache, self.projections)
 
 
 class MedusaDrafter(HeadDrafter):

@@ -19,10 +19,16 @@ from dataclasses import dataclass
 class DraftTree:
     token_ids: tuple[int, ...]  # [nodes] draft token of each node
     parents: tuple[int, ...]  # [nodes] parent node index, -1 = child of the last committed token
+    # [nodes] the drafter's estimate that each node's path is accepted (its draft path probability), best nodes
+    # after the first branch in decreasing order; None: the drafter gives none (the engine then keeps the tree
+    # as its row budget allows, without weighing nodes)
+    worths: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.parents):
             raise ValueError(f"DraftTree has {len(self.token_ids)} tokens but {len(self.parents)} parents")
+        if self.worths is not None and len(self.worths) != len(self.token_ids):
+            raise ValueError(f"DraftTree has {len(self.token_ids)} tokens but {len(self.worths)} worths")
         bad = [(i, p) for i, p in enumerate(self.parents) if not -1 <= p < i]
         if bad:
             raise ValueError(f"DraftTree parents must satisfy -1 <= parents[i] < i, got (node, parent) {bad[:5]}")
@@ -90,7 +96,8 @@ class DraftTree:
 
     def truncated(self, max_nodes: int) -> "DraftTree":
         """The first max_nodes nodes (still a tree: parents come first)."""
-        return DraftTree(self.token_ids[:max_nodes], self.parents[:max_nodes])
+        worths = None if self.worths is None else self.worths[:max_nodes]
+        return DraftTree(self.token_ids[:max_nodes], self.parents[:max_nodes], worths)
 
 
 def distinct_branches(branches: Iterable[Sequence[int]], limit: int) -> list[tuple[int, ...]]:
@@ -113,3 +120,4 @@ def check_tree_args(num_branches: int, min_branch_prob: float | None = None) -> 
         raise ValueError(f"num_branches must be >= 1, got {num_branches}")
     if min_branch_prob is not None and not 0.0 <= min_branch_prob <= 1.0:
         raise ValueError(f"min_branch_prob must be in [0, 1], got {min_branch_prob}")
+

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Sequence as SequenceOf
 
 from specdec.config import DRAFT_POLICIES
-from specdec.engine.cost_model import CostCalibration, CostModel
+from specdec.engine.cost_model import CostCalibration, CostModel, expected_accepted_length
 from specdec.engine.draft_policy import DraftLengthPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence
@@ -77,6 +77,31 @@ class AcceptanceEstimate:
             self.observations[position] += 1
 
 
+@dataclass
+class WorthCalibration:
+    """How a drafter's tree-node worths (its path probabilities) compare with what the target accepts.
+
+    Decayed sums of the worth of verified weighed nodes and of the nodes accepted among them; `scale` (accepted
+    per unit of worth, starting from a prior of `prior_nodes` nodes taken at face value) multiplies the worths
+    before the cost model weighs them. Measured here: the Qwen2.5-Coder EAGLE head's path probabilities are
+    about 1.6x its acceptance (docs/draft-heads.md, "Session 12"), which would make trees look worth more rows
+    than they are.
+    """
+
+    decay: float = 0.95  # per verify step: about the last 20 steps count
+    prior_nodes: float = 2.0
+    worth: float = 0.0
+    accepted: float = 0.0
+
+    def observe(self, worth: float, accepted: int) -> None:
+        self.worth = self.decay * self.worth + worth
+        self.accepted = self.decay * self.accepted + accepted
+
+    @property
+    def scale(self) -> float:
+        return (self.accepted + self.prior_nodes) / (self.worth + self.prior_nodes)
+
+
 def _delta(now: list[int], before: list[int]) -> list[int]:
     return [n - (before[i] if i < len(before) else 0) for i, n in enumerate(now)]
 
@@ -106,6 +131,7 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         self.reprobe_interval = reprobe_interval
         self._estimates: dict[str, tuple[Sequence, AcceptanceEstimate]] = {}
         self._steady_drafting = False  # whether the last step's drafting requests all drafted the step before
+        self.worth_calibration = WorthCalibration()
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         """The request's acceptance estimate, up to date with its metrics (a new one for a new Sequence)."""
@@ -139,6 +165,21 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         for estimate, k in zip(estimates, lengths):
             estimate.last_draft_length = k
         return lengths
+
+    def tree_nodes(self, seqs: SequenceOf[Sequence], draft_lengths: SequenceOf[int], verified_nodes: SequenceOf[int],
+                   extra_worths: SequenceOf[SequenceOf[float]], batch_size: int) -> list[int]:
+        """Extra tree nodes while they raise the step's expected tokens per second (CostModel.tree_nodes); the
+        chains' expected tokens come from the requests' acceptance estimates, the nodes' from their worths times
+        the measured worth calibration."""
+        tokens = sum(expected_accepted_length(k, self.estimate(seq).table(k)) if k else 1.0
+                     for seq, k in zip(seqs, draft_lengths))
+        scale = self.worth_calibration.scale
+        return self.cost_model.tree_nodes(draft_lengths, verified_nodes, batch_size, tokens,
+                                          [[worth * scale for worth in worths] for worths in extra_worths],
+                                          [seq.num_cached for seq in seqs], self.max_rows)
+
+    def observe_tree_acceptance(self, worth: float, accepted: int) -> None:
+        self.worth_calibration.observe(worth, accepted)
 
     def _reprobe(self, lengths: list[int], estimates: list[AcceptanceEstimate], batch_size: int) -> list[int]:
         rows = batch_size + sum(lengths)

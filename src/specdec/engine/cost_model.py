@@ -232,6 +232,39 @@ class CostModel:
         return best
 
 
+    def tree_nodes(self, draft_lengths: SequenceOf[int], verified_nodes: SequenceOf[int], batch_size: int,
+                   tokens: float, extra_worths: SequenceOf[SequenceOf[float]], contexts: SequenceOf[int] | None = None,
+                   max_rows: int | None = None) -> list[int]:
+        """How many of each sequence's extra tree nodes to verify, beyond the verified_nodes[b] it verifies anyway
+        (its chain of draft_lengths[b], or a tree the drafter did not weigh).
+
+        tokens: the step's expected tokens without extra nodes. A node's worth is the drafter's estimate that it is
+        accepted, i.e. the tokens it adds on average; a sequence's worths are in decreasing order (a node is worth
+        no more than its parent). Nodes are added best first, over all sequences, while batch_size + rows stays
+        within the knee (and max_rows); the count with the best expected tokens per second is kept (ties: fewer).
+        The drafting is done, but its cost counts in the step's seconds as in `allocate`.
+        """
+        row_limit = self.max_rows if max_rows is None else min(self.max_rows, max_rows)
+        extra = [0] * len(verified_nodes)
+
+        def speed() -> float:
+            nodes = [base + e for base, e in zip(verified_nodes, extra)]
+            return tokens / (self.target_seconds(batch_size + sum(nodes), nodes, contexts) + self.drafter(draft_lengths))
+
+        best, best_speed = list(extra), speed()
+        offers = sorted(((worth, b, j) for b, worths in enumerate(extra_worths) for j, worth in enumerate(worths)),
+                        key=lambda offer: (-offer[0], offer[1], offer[2]))
+        for worth, b, _ in offers:
+            if batch_size + sum(verified_nodes) + sum(extra) >= row_limit:
+                break
+            extra[b] += 1
+            tokens += worth
+            current = speed()
+            if current > best_speed * (1 + 1e-9):
+                best, best_speed = list(extra), current
+        return best
+
+
 @dataclass
 class CostCalibration:
     """Corrects a CostModel with the costs the engine actually measures, step by step.

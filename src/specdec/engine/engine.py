@@ -222,6 +222,10 @@ class Engine:
         results = [self._verify(seq, draft, tree, logits)
                    for seq, draft, tree, logits in zip(seqs, drafts, trees, logits_per_seq)]
         done = time.perf_counter()
+        weighed = [(sum(tree.worths), result.accepted_count) for tree, result in zip(trees, results)
+                   if tree is not None and tree.worths is not None]
+        if weighed:
+            self.draft_policy.observe_tree_acceptance(sum(w for w, _ in weighed), sum(a for _, a in weighed))
         step_times = (drafted - start, verified_at - drafted, done - verified_at)
         self._record_times(self.metrics, step_times)
         self.draft_policy.observe_step(StepCost(len(batch.token_ids), tuple(len(d.token_ids) for d in drafts),
@@ -252,9 +256,21 @@ class Engine:
             budgets = [seq.max_draft_tokens(k) for seq, k in zip(speculating, lengths)]
             proposed = self.drafter.propose([seq.request_id for seq in speculating], budgets)
             node_budget = max(max(lengths), self.max_verify_tokens // len(seqs) - 1)
-            drafts = {seq.request_id: _cap_tree(draft, seq.max_draft_tokens(node_budget))
-                      for seq, draft in zip(speculating, proposed)}
+            capped = [_cap_tree(draft, seq.max_draft_tokens(node_budget)) for seq, draft in zip(speculating, proposed)]
+            drafts = dict(zip((seq.request_id for seq in speculating), self._weigh_trees(speculating, capped, planned_batch)))
         return [drafts.get(seq.request_id, EMPTY_DRAFT) for seq in seqs]
+
+    def _weigh_trees(self, seqs: list[Sequence], drafts: list[Draft], batch_size: int) -> list[Draft]:
+        """Cuts the trees whose nodes the drafter weighed (DraftTree.worths) to the extra nodes the draft policy
+        finds worth their rows; the first branch always stays."""
+        weighed = [d.tree is not None and d.tree.worths is not None and seq.params.greedy for seq, d in zip(seqs, drafts)]
+        if not any(weighed):
+            return drafts
+        verified = [len(d.token_ids) if w else len((d.tree if seq.params.greedy and d.tree else d).token_ids)
+                    for seq, d, w in zip(seqs, drafts, weighed)]
+        extra_worths = [d.tree.worths[len(d.token_ids):] if w else () for d, w in zip(drafts, weighed)]
+        kept = self.draft_policy.tree_nodes(seqs, [len(d.token_ids) for d in drafts], verified, extra_worths, batch_size)
+        return [_cap_tree(d, len(d.token_ids) + n) if w else d for d, w, n in zip(drafts, weighed, kept)]
 
     def _planning_batch_size(self, decoding: int) -> int:
         """The batch size the draft policy plans for: the decoding sequences plus those about to join them

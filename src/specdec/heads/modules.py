@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.cache.kv_cache import KVCache
+from specdec.engine.batch import ForwardBatch
 from specdec.heads.config import HeadConfig
 from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
 from specdec.models.config import ModelConfig
@@ -185,18 +186,19 @@ class EagleHead(nn.Module):
         return predictions
 
     @torch.inference_mode()
-    def forward_cached(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                       cache: KVCache, projections: EagleProjections | None = None) -> torch.Tensor:
-        """Drafting: ragged rows of several requests. embeds, hidden [rows, hidden]; positions, slots [rows] int64.
-        Writes the rows' keys/values at their positions and returns the predicted next states [rows, hidden].
-        projections: the frozen drafting copies (`projections(weight_format)`); None: the fp32 modules."""
+    def forward_cached(self, batch: ForwardBatch, embeds: torch.Tensor, hidden: torch.Tensor, cache: KVCache,
+                       projections: EagleProjections | None = None) -> torch.Tensor:
+        """Drafting: the ragged rows of several requests, laid out as the target's forward lays them out (RoPE
+        positions, cache positions, prefix ends and tree keys of `batch`: chains, or the nodes of a growing tree).
+        embeds, hidden [rows, hidden]. Writes the rows' keys/values and returns the predicted next states
+        [rows, hidden]. projections: the frozen drafting copies (`projections(weight_format)`); None: the fp32 modules."""
         proj = projections if projections is not None else self.projections()
         x = self._input(embeds, hidden, proj)
-        query, key, value = self._qkv(x, positions, proj)
-        cache.write(0, slots, positions, key, value)
-        key_end = (positions + 1).to(torch.int32)
-        context = attention(query.contiguous(), cache.keys[0], cache.values[0], slots.to(torch.int32),
-                            torch.zeros_like(key_end), key_end, self.config.head_dim**-0.5)
+        query, key, value = self._qkv(x, batch.positions, proj)
+        cache.write(0, batch.slots, batch.cache_positions, key, value)
+        key_end = batch.prefix_ends  # [rows] int32
+        context = attention(query.contiguous(), cache.keys[0], cache.values[0], batch.slots.to(torch.int32),
+                            torch.zeros_like(key_end), key_end, self.config.head_dim**-0.5, batch.tree_keys)
         x = x + proj.o(context.reshape(-1, self.q_size))
         return x + self._mlp(x, proj)
 
