@@ -6,8 +6,11 @@ P(token i accepted | tokens 0..i-1 accepted). It starts at an optimistic prior (
 positions not drafted yet take the estimate of the deepest drafted one, and it is updated from the request's
 own `SpecDecodeMetrics` after every verify step. Each step the cost model splits the step's row budget (the
 knee of T(n)) over the batch so that expected tokens per second is largest; a request may get k = 0. A
-request held at k = 0 for `reprobe_interval` steps drafts one token once (a probe), so a request whose drafts
-start hitting later (a repeated passage, code) climbs back.
+request held at k = 0 for `reprobe_interval` steps probes: it drafts one token in two consecutive steps, so a
+request whose drafts start hitting later (a repeated passage, code) climbs back. Two, because the first probe
+step also catches the drafter up on every token since k = 0 (a draft model's chunk of them), which says nothing
+about the cost of steady drafting; the second measures it, so a drafter whose cost was once overestimated (a
+step slowed by another process) is measured again instead of staying off for good.
 
 The cost model's levels follow what the engine measures (`observe_step`, `CostCalibration`): the target's
 seconds per forward and the drafter's seconds per drafted token, so an expensive drafter (a draft model on a
@@ -36,6 +39,7 @@ class AcceptanceEstimate:
     seen_drafted: list[int] = field(default_factory=list)  # metrics counters at the last update
     seen_accepted: list[int] = field(default_factory=list)
     steps_at_zero: int = 0
+    probe_steps_left: int = 0  # steps still to draft one token in the current probe
     last_draft_length: int = 0  # k of the request's previous step (0: it did not draft, or it is new)
 
     def alpha(self, position: int) -> float:
@@ -185,11 +189,15 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         rows = batch_size + sum(lengths)
         for i, estimate in enumerate(estimates):
             if lengths[i]:
-                estimate.steps_at_zero = 0
+                estimate.steps_at_zero, estimate.probe_steps_left = 0, 0
                 continue
-            estimate.steps_at_zero += 1
-            if estimate.steps_at_zero >= self.reprobe_interval and rows < self.max_rows:
-                lengths[i], rows, estimate.steps_at_zero = 1, rows + 1, 0
+            if not estimate.probe_steps_left:
+                estimate.steps_at_zero += 1
+                if estimate.steps_at_zero >= self.reprobe_interval:
+                    estimate.probe_steps_left, estimate.steps_at_zero = 2, 0
+            if estimate.probe_steps_left and rows < self.max_rows:
+                lengths[i], rows = 1, rows + 1
+                estimate.probe_steps_left -= 1
         return lengths
 
     def _forget_others(self, seqs: SequenceOf[Sequence]) -> None:
