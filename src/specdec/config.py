@@ -17,6 +17,9 @@ MODEL_MEANING = {
 METHODS_WITHOUT_DRAFT_MODEL = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_DRAFT_BRANCHES = 8
+# num_draft_branches when the config leaves it out: the drafters that grow weighed dynamic trees, cut by the cost
+# model, draft trees (measured: docs/benchmarks.md, "Session 12"); lookups draft chains.
+DEFAULT_DRAFT_BRANCHES = {"draft_model": 4, "eagle": 4}
 DRAFT_POLICIES = ("adaptive", "fixed")  # adaptive: k per step from acceptance and measured costs; fixed: always k
 
 
@@ -104,7 +107,8 @@ class SpeculativeConfig:
       prompt_lookup_min: shortest n-gram the ngram drafter tries to match (>= 1, <= prompt_lookup_max).
 
     Our key (token trees, greedy-only):
-      num_draft_branches: token trees, 1..8 (1 = chains, the default). The target verifies the tree in one
+      num_draft_branches: token trees, 1..8 (1 = chains; the default for ngram and suffix; 4 for draft_model and
+          eagle, whose trees the adaptive policy cuts to what pays). The target verifies the tree in one
           forward; num_speculative_tokens bounds its depth, and the engine caps its nodes at the sequence's
           share of max_verify_tokens rows. Trees are greedy-only: a sampled request (temperature > 0) drafts
           and verifies one chain, whatever this key. ngram: up to this many branches, the continuations of
@@ -144,7 +148,7 @@ class SpeculativeConfig:
     suffix_max_depth: int = 64
     suffix_min_token_prob: float = 0.1
     suffix_cache_requests: int = 64
-    num_draft_branches: int = 1
+    num_draft_branches: int | None = None  # None: DEFAULT_DRAFT_BRANCHES for the method, else 1
     draft_tree_min_prob: float = 0.05
     draft_prefix_cache_tokens: int = 4096  # Qwen-0.5B: 24.6 KB of keys and values per token
     draft_vocab_size: int | None = None
@@ -152,6 +156,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         self._validate_method_and_model()
         owner = "SpeculativeConfig"
+        if self.num_draft_branches is None:
+            object.__setattr__(self, "num_draft_branches", DEFAULT_DRAFT_BRANCHES.get(self.method, 1))
         _require_at_least(owner, "num_speculative_tokens", self.num_speculative_tokens, 1)
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(
