@@ -64,12 +64,11 @@ class LevelReport:
 
 
 def load_prompts(path: str, category: str | None) -> list[str]:
-    prompts = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if category is None or row.get("category") == category:
-                prompts.append(row["turns"][0])
+    """The first user turn of every question of a Spec-Bench or HumanEval JSONL file (bench.datasets), optionally
+    of one category only (HumanEval's is "humaneval")."""
+    from specdec.bench.datasets import load_questions
+
+    prompts = [question.turns[0] for question in load_questions(path, None if category is None else [category])]
     if not prompts:
         raise ValueError(f"no prompts with category {category!r} in {path}")
     return prompts
