@@ -312,3 +312,18 @@ def test_an_overestimated_drafter_cost_is_measured_again_by_the_probes(tiny_toke
         policy.observe_step(StepCost(1 + k, (k,), draft_s=(0.2 if slow else 0.001) * k, target_s=0.010))
     assert 0 in lengths[:30]  # switched off by the slow measurements
     assert lengths[-1] == 4 and all(k == 4 for k in lengths[-20:])
+
+
+def test_no_probes_where_even_perfect_drafts_would_not_pay(tiny_tokenizer):
+    """8 requests at k = 0; one surely accepted draft token each would make 16 rows (1.6 decode steps) plus a
+    draft forward of half a step: 16 tokens for 2.1 steps' time instead of 8 for 1. So probes could not turn
+    drafting on, only make the drafter catch up, and the requests stay at k = 0. Alone, a request gets 2 tokens
+    for 1.5 steps, and it probes."""
+    costs = CostModel(ForwardCosts.from_ratios(0.01, [1.0] * 8 + [1.6] * 8 + [4.0] * 16),
+                      DrafterCost(per_token_s=0.005, batched=True))
+    batch = AdaptiveDraftPolicy(4, costs, reprobe_interval=3)
+    seqs = [make_seq(tiny_tokenizer, str(i)) for i in range(8)]
+    assert all(k == 0 for _ in range(30) for k in step(batch, seqs, [0] * 8))
+    alone = AdaptiveDraftPolicy(4, costs, reprobe_interval=3)
+    seq = make_seq(tiny_tokenizer)
+    assert 1 in [step(alone, [seq], [0])[0] for _ in range(30)]

@@ -7,7 +7,8 @@ positions not drafted yet take the estimate of the deepest drafted one, and it i
 own `SpecDecodeMetrics` after every verify step. Each step the cost model splits the step's row budget (the
 knee of T(n)) over the batch so that expected tokens per second is largest; a request may get k = 0. A
 request held at k = 0 for `reprobe_interval` steps probes: it drafts one token in two consecutive steps, so a
-request whose drafts start hitting later (a repeated passage, code) climbs back. Two, because the first probe
+request whose drafts start hitting later (a repeated passage, code) climbs back — unless even a surely accepted
+draft token would not pay at the step's batch (then the probe waits). Two, because the first probe
 step also catches the drafter up on every token since k = 0 (a draft model's chunk of them), which says nothing
 about the cost of steady drafting; the second measures it, so a drafter whose cost was once overestimated (a
 step slowed by another process) is measured again instead of staying off for good.
@@ -164,7 +165,7 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         self._forget_others(seqs)
         lengths = self.cost_model.allocate([e.table(self.max_draft_tokens) for e in estimates], batch_size,
                                            self.max_draft_tokens, self.max_rows, [seq.num_cached for seq in seqs])
-        lengths = self._reprobe(lengths, estimates, batch_size)
+        lengths = self._reprobe(lengths, estimates, batch_size, [seq.num_cached for seq in seqs])
         self._steady_drafting = all(e.last_draft_length > 0 for e, k in zip(estimates, lengths) if k > 0)
         for estimate, k in zip(estimates, lengths):
             estimate.last_draft_length = k
@@ -185,8 +186,10 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
     def observe_tree_acceptance(self, worth: float, accepted: int) -> None:
         self.worth_calibration.observe(worth, accepted)
 
-    def _reprobe(self, lengths: list[int], estimates: list[AcceptanceEstimate], batch_size: int) -> list[int]:
+    def _reprobe(self, lengths: list[int], estimates: list[AcceptanceEstimate], batch_size: int,
+                 contexts: list[int]) -> list[int]:
         rows = batch_size + sum(lengths)
+        could_pay: bool | None = None  # computed once per step, when a request is due for a probe
         for i, estimate in enumerate(estimates):
             if lengths[i]:
                 estimate.steps_at_zero, estimate.probe_steps_left = 0, 0
@@ -194,11 +197,27 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
             if not estimate.probe_steps_left:
                 estimate.steps_at_zero += 1
                 if estimate.steps_at_zero >= self.reprobe_interval:
-                    estimate.probe_steps_left, estimate.steps_at_zero = 2, 0
+                    if could_pay is None:
+                        could_pay = self._probe_could_pay(lengths, estimates, batch_size, contexts)
+                    if could_pay:
+                        estimate.probe_steps_left, estimate.steps_at_zero = 2, 0
             if estimate.probe_steps_left and rows < self.max_rows:
                 lengths[i], rows = 1, rows + 1
                 estimate.probe_steps_left -= 1
         return lengths
+
+    def _probe_could_pay(self, lengths: list[int], estimates: list[AcceptanceEstimate], batch_size: int,
+                         contexts: list[int]) -> bool:
+        """Whether one draft token for every request at k = 0 would raise the step's expected tokens per second
+        if the drafts were surely accepted, at the drafter's profiled cost (the measured one may be what a probe
+        is to correct). When not even that pays (a large batch, where verify rows are no longer nearly free),
+        probes could not turn drafting on and would only cost the drafter's catch-up: a draft model then
+        prefills the prompts and every token since, a quarter of a run of 8 Qwen HumanEval requests at once."""
+        model = CostCalibration(target_scale=self.calibration.target_scale).apply(self.base_cost_model)
+        tokens = sum(expected_accepted_length(k, e.table(k)) if k else 1.0 for k, e in zip(lengths, estimates))
+        probed = [k or 1 for k in lengths]
+        return ((tokens + lengths.count(0)) / model.step_seconds(probed, batch_size, contexts)
+                > tokens / model.step_seconds(lengths, batch_size, contexts))
 
     def _forget_others(self, seqs: SequenceOf[Sequence]) -> None:
         """Drops finished requests: every running speculating request is in every decode step."""
