@@ -29,10 +29,12 @@ class _GrownNode:
 
 @dataclass(frozen=True)
 class TreeRows:
-    """The rows that expand some nodes of a GrowingTree (one drafter forward each, in the format of
-    ForwardBatch.from_rows): node token, RoPE position, cache position, prefix end and tree keys per row."""
+    """The rows a draft feeds at one depth (one drafter forward row each, in the format of ForwardBatch.from_rows):
+    the node each row expands and the node whose predicted state it reads (-1: the root, or for a chain's row its
+    newest token), then token, RoPE position, cache position, prefix end and tree keys per row."""
 
     nodes: tuple[int, ...]
+    parents: tuple[int, ...]
     token_ids: tuple[int, ...]
     positions: tuple[int, ...]
     cache_positions: tuple[int, ...]
@@ -116,9 +118,9 @@ class GrowingTree:
                 prefix_ends.append(self.base + fork)
                 tree_keys.append(tuple(self.nodes[j].cache_position for j in path[fork:]))
             cache_positions.append(node.cache_position)
-        return TreeRows(tuple(nodes), tuple(self.nodes[i].token_id for i in nodes),
-                        tuple(self.base + self.nodes[i].depth for i in nodes), tuple(cache_positions),
-                        tuple(prefix_ends), tuple(tree_keys))
+        return TreeRows(tuple(nodes), tuple(self.nodes[i].parent for i in nodes),
+                        tuple(self.nodes[i].token_id for i in nodes), tuple(self.base + self.nodes[i].depth for i in nodes),
+                        tuple(cache_positions), tuple(prefix_ends), tuple(tree_keys))
 
     def path(self, node: int) -> list[int]:
         """Nodes from depth 0 down to `node`."""
@@ -150,7 +152,7 @@ class GrowingTree:
 def chain_row(base: int, token_id: int, depth: int) -> TreeRows:
     """The row feeding a chain's draft token at `depth`: in place at base + depth, attending everything before."""
     position = base + depth
-    return TreeRows((), (token_id,), (position,), (position,), (position + 1,), ((),))
+    return TreeRows((-1,), (-1,), (token_id,), (position,), (position,), (position + 1,), ((),))
 
 
 # (logits [1, vocab]) -> (draft token, its draft distribution [1, vocab] or None for a point mass)
@@ -195,7 +197,7 @@ class DraftGrowth:
         """logits [rows, draft vocab] of the rows just fed."""
         if self._fed is None:
             raise RuntimeError("DraftGrowth.add without rows fed")
-        for row, node in enumerate(self._fed.nodes or (None,)):
+        for row, node in enumerate(self._fed.nodes):
             self._add(node, logits[row : row + 1])
         self._fed = None
 
@@ -205,8 +207,8 @@ class DraftGrowth:
         chain, tree = self.tree.draft()
         return Draft(chain, None, tree)
 
-    def _add(self, node: int | None, logits: torch.Tensor) -> None:
-        """logits [1, draft vocab] of the chain's newest token (node None) or of the tree node `node` (-1: root)."""
+    def _add(self, node: int, logits: torch.Tensor) -> None:
+        """logits [1, draft vocab] of the chain's newest token, or of the tree node `node` (-1: the root)."""
         if self.tree is None:
             token_id, probs = self.chain_step(logits)
             self.chain.append(token_id)
@@ -216,9 +218,10 @@ class DraftGrowth:
         draft_probs = torch.softmax(logits[0].float(), dim=-1)  # [draft vocab]
         argmax_column = int(greedy_tokens(logits)[0])
         top_probs, top_columns = draft_probs.topk(min(self.tree.width, draft_probs.shape[0]))
-        to_token = (lambda columns: columns) if self.token_ids is None else (lambda columns: self.token_ids[columns])
-        self.tree.add_children(-1 if node is None else node, int(to_token(torch.tensor(argmax_column))),
-                               float(draft_probs[argmax_column]), to_token(top_columns).tolist(), top_probs.tolist())
+        argmax_id, top_ids = argmax_column, top_columns
+        if self.token_ids is not None:  # draft vocabulary columns -> token ids
+            argmax_id, top_ids = int(self.token_ids[argmax_column]), self.token_ids[top_columns]
+        self.tree.add_children(node, argmax_id, float(draft_probs[argmax_column]), top_ids.tolist(), top_probs.tolist())
 
 
 def new_growth(base: int, max_tokens: int, greedy: bool, chain_step: ChainStep, num_branches: int,
@@ -229,7 +232,6 @@ def new_growth(base: int, max_tokens: int, greedy: bool, chain_step: ChainStep, 
     if greedy and num_branches > 1 and max_tokens > 0:
         tree = GrowingTree(base, max_tokens, num_branches, min_branch_prob, num_branches * max_tokens, cache_len)
     return DraftGrowth(base, max_tokens, chain_step, tree, token_ids)
-
 
 
 def depth_batches(growths: Sequence[DraftGrowth], active: Sequence[int], slots: Sequence[int],

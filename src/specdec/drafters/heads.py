@@ -150,14 +150,14 @@ class EagleDrafter(HeadDrafter):
         for row, i in enumerate(active):
             growths[i].first(logits[row : row + 1])
         for fed, batch in depth_batches(growths, active, [state.slot for state in states], predicted.device):
-            hidden = torch.stack([node_state[i][-1 if node is None else growths[i].tree.nodes[node].parent]
-                                  for i, rows in fed.items() for node in (rows.nodes or (None,))])  # [rows, hidden]
+            hidden = torch.stack([node_state[i][parent] for i, rows in fed.items()
+                                  for parent in rows.parents])  # [rows, hidden]
             out = self.head.forward_cached(batch, self.parts.embed(batch.token_ids), hidden, self.cache,
                                            self.projections)  # [rows, hidden]
             logits = self.parts.draft_logits(out, self.draft_lm_head)  # [rows, draft vocab]
             for (i, rows), seq_out, seq_logits in zip(fed.items(), out.split(list(batch.row_counts)),
                                                       logits.split(list(batch.row_counts))):
-                for row, node in enumerate(rows.nodes or (-1,)):
+                for row, node in enumerate(rows.nodes):
                     node_state[i][node] = seq_out[row]
                 growths[i].add(seq_logits)
         return [growth.draft() for growth in growths]

@@ -107,6 +107,11 @@ class WorthCalibration:
         return (self.accepted + self.prior_nodes) / (self.worth + self.prior_nodes)
 
 
+def _expected_tokens(draft_lengths: SequenceOf[int], estimates: SequenceOf[AcceptanceEstimate]) -> float:
+    """The step's expected tokens over these requests: E(k) from each one's acceptance estimates (1 at k = 0)."""
+    return sum(expected_accepted_length(k, e.table(k)) if k else 1.0 for k, e in zip(draft_lengths, estimates))
+
+
 def _delta(now: list[int], before: list[int]) -> list[int]:
     return [n - (before[i] if i < len(before) else 0) for i, n in enumerate(now)]
 
@@ -176,8 +181,7 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         """Extra tree nodes while they raise the step's expected tokens per second (CostModel.tree_nodes); the
         chains' expected tokens come from the requests' acceptance estimates, the nodes' from their worths times
         the measured worth calibration."""
-        tokens = sum(expected_accepted_length(k, self.estimate(seq).table(k)) if k else 1.0
-                     for seq, k in zip(seqs, draft_lengths))
+        tokens = _expected_tokens(draft_lengths, [self.estimate(seq) for seq in seqs])
         scale = self.worth_calibration.scale
         return self.cost_model.tree_nodes(draft_lengths, verified_nodes, batch_size, tokens,
                                           [[worth * scale for worth in worths] for worths in extra_worths],
@@ -214,7 +218,7 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         probes could not turn drafting on and would only cost the drafter's catch-up: a draft model then
         prefills the prompts and every token since, a quarter of a run of 8 Qwen HumanEval requests at once."""
         model = CostCalibration(target_scale=self.calibration.target_scale).apply(self.base_cost_model)
-        tokens = sum(expected_accepted_length(k, e.table(k)) if k else 1.0 for k, e in zip(lengths, estimates))
+        tokens = _expected_tokens(lengths, estimates)
         probed = [k or 1 for k in lengths]
         return ((tokens + lengths.count(0)) / model.step_seconds(probed, batch_size, contexts)
                 > tokens / model.step_seconds(lengths, batch_size, contexts))

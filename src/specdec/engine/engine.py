@@ -263,12 +263,12 @@ class Engine:
     def _weigh_trees(self, seqs: list[Sequence], drafts: list[Draft], batch_size: int) -> list[Draft]:
         """Cuts the trees whose nodes the drafter weighed (DraftTree.worths) to the extra nodes the draft policy
         finds worth their rows; the first branch always stays."""
-        weighed = [d.tree is not None and d.tree.worths is not None and seq.params.greedy for seq, d in zip(seqs, drafts)]
+        trees = [_verified_tree(seq, d) for seq, d in zip(seqs, drafts)]
+        weighed = [tree is not None and tree.worths is not None for tree in trees]
         if not any(weighed):
             return drafts
-        verified = [len(d.token_ids) if w else len((d.tree if seq.params.greedy and d.tree else d).token_ids)
-                    for seq, d, w in zip(seqs, drafts, weighed)]
-        extra_worths = [d.tree.worths[len(d.token_ids):] if w else () for d, w in zip(drafts, weighed)]
+        verified = [len(d.token_ids) if w else len((tree or d).token_ids) for d, tree, w in zip(drafts, trees, weighed)]
+        extra_worths = [tree.worths[len(d.token_ids):] if w else () for d, tree, w in zip(drafts, trees, weighed)]
         kept = self.draft_policy.tree_nodes(seqs, [len(d.token_ids) for d in drafts], verified, extra_worths, batch_size)
         return [_cap_tree(d, len(d.token_ids) + n) if w else d for d, w, n in zip(drafts, weighed, kept)]
 
