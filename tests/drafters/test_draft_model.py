@@ -141,3 +141,23 @@ def test_reduced_vocabulary_rejects_ids_outside_the_vocabulary(make_tiny_model):
         DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, draft_token_ids=[5, 300])
     with pytest.raises(ValueError, match="non-empty"):
         DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, draft_token_ids=[])
+
+
+# ---- catch-up: what a draft costs before its first draft token ----------------------------------------------
+def test_catch_up_tokens_count_what_the_first_forward_feeds_beyond_a_steady_step(make_tiny_model):
+    model = make_tiny_model("qwen2")
+    prompt = SHARED + [40, 41, 42]  # 23 tokens
+    drafter = DraftModelDrafter(model, max_num_seqs=2, max_model_len=64, prefix_cache_tokens=16384)
+    drafter.add_request("a", prompt, SamplingParams(), None)
+    assert drafter.catch_up_tokens("a") == len(prompt) - 2  # the prompt's prefill
+    draft = drafter.propose(["a"], [3])[0]
+    drafter.observe("a", [*draft.token_ids, 7])  # all accepted + a bonus token: a steady step feeds 2
+    assert drafter.catch_up_tokens("a") == 0
+    for token in (8, 9, 10, 11):  # four steps at k = 0
+        drafter.observe("a", [token])
+    assert drafter.catch_up_tokens("a") == 4
+    drafter.propose(["a"], [1])
+    assert drafter.catch_up_tokens("a") == 0
+    # a later prompt sharing the stored prefix only catches up on the rest
+    drafter.add_request("b", SHARED + [50, 51, 52, 53, 54], SamplingParams(), None)
+    assert drafter.catch_up_tokens("b") == 5 - 2  # copies SHARED from the store, feeds its other 5 tokens

@@ -327,3 +327,61 @@ def test_no_probes_where_even_perfect_drafts_would_not_pay(tiny_tokenizer):
     alone = AdaptiveDraftPolicy(4, costs, reprobe_interval=3)
     seq = make_seq(tiny_tokenizer)
     assert 1 in [step(alone, [seq], [0])[0] for _ in range(30)]
+
+
+# ---- a drafter's catch-up (a draft model's prompt prefill) against the request's remaining tokens -----------
+CATCHING_UP = CostModel(ForwardCosts.linear(0.010, 0.02),
+                        DrafterCost(per_token_s=0.001, per_step_s=0.001, batched=True, catch_up_per_token_s=0.0002))
+
+
+def seq_with_tokens_left(tokenizer, request_id, max_tokens):
+    return new_sequence(request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens), tokenizer, 256, None, True)
+
+
+def test_a_catch_up_the_remaining_tokens_cannot_repay_is_not_drafted(tiny_tokenizer):
+    """200 catch-up tokens cost 40 ms; a request with 100 tokens left saves ≈ 12 ms per step for ≈ 36 steps, one
+    with 3 left only for one step."""
+    policy = AdaptiveDraftPolicy(4, CATCHING_UP)
+    long, short = seq_with_tokens_left(tiny_tokenizer, "long", 100), seq_with_tokens_left(tiny_tokenizer, "short", 3)
+    assert policy.draft_lengths([long], 1, [200])[0] > 0
+    assert policy.draft_lengths([short], 1, [0])[0] > 0  # nothing to catch up on: drafts pay at once
+    assert policy.draft_lengths([short], 1, [200]) == [0]
+    assert policy.draft_lengths([long, short], 2, [200, 200])[1] == 0
+    # the fixed policy drafts whatever the catch-up
+    assert BatchDraftPolicy(4).draft_lengths([short], 1, [200]) == [4]
+
+
+def test_probes_catch_up_only_when_the_request_can_repay_it(tiny_tokenizer):
+    def probes(max_tokens):
+        policy = AdaptiveDraftPolicy(4, CATCHING_UP, reprobe_interval=3)
+        seq = seq_with_tokens_left(tiny_tokenizer, "0", max_tokens)
+        lengths = []
+        for i in range(30):
+            k = policy.draft_lengths([seq], 1, [100 + i])[0]  # catch-up grows with every step at k = 0
+            if k:
+                seq.metrics.record_step(k, 0)  # drafts never hit
+            lengths.append(k)
+        return lengths
+
+    assert 1 in probes(10_000)[10:]  # a long request probes after k = 0, catching up
+    # a short one does not: a surely accepted probe saves 7.8 ms per step for the 2 steps of its 4 tokens, less
+    # than the 22 ms of catching up
+    assert set(probes(4)[10:]) == {0}
+
+
+def test_catch_up_cost_is_measured_from_the_steps_that_catch_up(tiny_tokenizer):
+    base = CostModel(ForwardCosts.linear(0.010, 0.0),
+                     DrafterCost(per_token_s=0.002, batched=True, catch_up_per_token_s=0.001))
+    calibration = CostCalibration(weight=0.2)
+    calibration.observe(base, rows=3, draft_lengths=(2,), draft_s=None, target_s=0.010)  # scale 1
+    calibration.observe_catch_up(base, (2,), draft_s=0.004 + 0.1, catch_up_tokens=50)  # 2 ms per catch-up token
+    assert calibration.catch_up_per_token_s == pytest.approx(0.8 * 0.001 + 0.2 * 0.002)
+    calibration.observe_catch_up(base, (2,), draft_s=5.0, catch_up_tokens=3)  # too few tokens to say anything
+    assert calibration.apply(base).drafter.catch_up_per_token_s == pytest.approx(0.0012)
+    # the policy feeds it the steps that are not steady drafting
+    policy = AdaptiveDraftPolicy(4, base)
+    seq = make_seq(tiny_tokenizer)
+    k = policy.draft_lengths([seq], 1, [100])[0]
+    policy.observe_step(StepCost(1 + k, (k,), draft_s=0.002 * k + 0.5, target_s=0.010, catch_up_tokens=100))
+    # 5 ms per token measured, clipped to 3x the profile's estimate in the average
+    assert policy.cost_model.drafter.catch_up_per_token_s == pytest.approx(0.8 * 0.001 + 0.2 * 0.003)

@@ -199,3 +199,13 @@ def test_measure_context_costs_on_tiny_model(make_tiny_model):
     context = cost_model.measure_context_costs(model, forward, base_context=8, long_context=64, repeats=1)
     assert context.base_context == 8 and len(context.per_token_s) == 8  # rows 1..8 (timed: 1, 2, 4, 8)
     assert all(a <= b for a, b in zip(context.per_token_s, context.per_token_s[1:]))
+
+
+def test_allocation_counts_the_tokens_of_the_rest_of_the_batch():
+    """One speculating request beside 7 others (not speculating, or about to join): its draft rows slow the whole
+    step, so they must pay against the batch's 8 tokens per step. Counting its own tokens only, 1.2 / T(9) beat
+    1 / T(8) and the draft model prefilled a prompt for drafts that slowed the batch."""
+    model = CostModel(ForwardCosts.linear(0.010, 0.05))
+    assert model.allocate([0.2], batch_size=1, max_k=4)[0] > 0  # alone, even weak drafts pay
+    assert model.allocate([0.2], batch_size=8, max_k=4) == [0]  # 8.2 / T(9) < 8 / T(8)
+    assert model.allocate([0.9], batch_size=8, max_k=4)[0] > 0

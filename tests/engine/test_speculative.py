@@ -218,10 +218,16 @@ class RecordingPolicy(BatchDraftPolicy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         object.__setattr__(self, "planned", [])
+        object.__setattr__(self, "catch_ups", [])
+        object.__setattr__(self, "costs", [])
 
-    def draft_lengths(self, seqs, batch_size):
+    def draft_lengths(self, seqs, batch_size, catch_up_tokens=None):
         self.planned.append((len(seqs), batch_size))
-        return super().draft_lengths(seqs, batch_size)
+        self.catch_ups.append(list(catch_up_tokens))
+        return super().draft_lengths(seqs, batch_size, catch_up_tokens)
+
+    def observe_step(self, cost):
+        self.costs.append(cost)
 
 
 def test_draft_policy_plans_for_the_requests_about_to_join(make_tiny_model, tiny_tokenizer):
@@ -242,3 +248,23 @@ def test_draft_policy_plans_for_the_requests_about_to_join(make_tiny_model, tiny
     assert first_decoding == 1 and first_planned == 3  # 1 decoding + 2 prefilling (the third waits: no free slot)
     assert all(planned >= decoding for decoding, planned in policy.planned)
     assert policy.planned[-1][1] == policy.planned[-1][0]  # nothing left to join at the end
+
+
+def test_policy_sees_the_draft_models_catch_up_and_the_step_reports_it(make_tiny_model, tiny_tokenizer):
+    """The first draft of each request prefills its prompt in the draft model: the policy is told so before it
+    chooses k, and the step's cost names those tokens (the policy measures the catch-up's cost from them)."""
+    model = make_tiny_model("qwen2")
+    policy = RecordingPolicy(3, max_verify_tokens=32)
+    engine = Engine(model, tiny_tokenizer, max_num_seqs=4, max_model_len=256,
+                    drafter=make_drafter("draft_model_same", make_tiny_model, "qwen2"), num_speculative_tokens=3,
+                    draft_policy=policy)
+    prompts = PROMPTS[:2]
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=12))
+    while engine.has_unfinished():
+        engine.step()
+    # the first token came from the prefill: 1 + prompt tokens to feed, 2 of which a steady step feeds too
+    assert policy.catch_ups[0] == [len(prompt) + 1 - 2 for prompt in prompts]
+    assert policy.costs[0].catch_up_tokens == sum(policy.catch_ups[0])
+    assert all(catch_up == [0, 0] for catch_up in policy.catch_ups[1:])  # drafting every step: steady
+    assert all(cost.catch_up_tokens == 0 for cost in policy.costs[1:])

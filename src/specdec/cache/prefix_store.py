@@ -122,6 +122,10 @@ class PrefixCache:
         self.hit_tokens += length
         return length
 
+    def match_length(self, token_ids: Sequence[int]) -> int:
+        """How many positions `reuse` would fill for token_ids now (counted as a use of the entry, not as a query)."""
+        return self.store.longest_match(token_ids[:-1])[1]
+
     def keep(self, cache: KVCache, slot: int, token_ids: Sequence[int]) -> None:
         """Stores positions 0 .. len(token_ids)-1 of `slot`, which hold token_ids."""
         self.store.save(cache, slot, token_ids)

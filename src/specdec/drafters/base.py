@@ -71,6 +71,12 @@ class Drafter(ABC):
     def remove_request(self, request_id: str) -> None:
         """The request finished; drafters with a cross-request cache keep its tokens there."""
 
+    def catch_up_tokens(self, request_id: str) -> int:
+        """Committed tokens the drafter must ingest before it can draft for the request, beyond what a request
+        drafting every step feeds (the draft policy weighs their cost against the request's remaining tokens).
+        0 for drafters that keep no per-request model state (lookups) or whose catch-up is negligible."""
+        return 0
+
 
 def check_propose_args(request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> None:
     """Shared argument check for ``Drafter.propose``."""

@@ -40,6 +40,8 @@ from specdec.models.layers import Linear
 from specdec.models.transformer import Transformer
 from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample
 
+STEADY_FEED = 2  # tokens a request drafting every step feeds at most before its draft: bonus + last draft token
+
 
 @dataclass
 class _DraftState:
@@ -87,6 +89,16 @@ class DraftModelDrafter(Drafter):
 
     def remove_request(self, request_id: str) -> None:
         self.cache.free(self.states.pop(request_id).slot)
+
+    def catch_up_tokens(self, request_id: str) -> int:
+        """Tokens the next draft's first forward feeds beyond a steady step's two (the bonus token and the last
+        draft token after a fully accepted draft): the prompt, less a stored prefix, at a request's first draft;
+        every token since at a draft after k = 0."""
+        state = self.states[request_id]
+        cached = len(state.cached_token_ids)
+        if not cached and self.prefixes is not None:
+            cached = self.prefixes.match_length(state.token_ids)
+        return max(0, len(state.token_ids) - cached - STEADY_FEED)
 
     @property
     def weight_nbytes(self) -> int:

@@ -13,9 +13,16 @@ step also catches the drafter up on every token since k = 0 (a draft model's chu
 about the cost of steady drafting; the second measures it, so a drafter whose cost was once overestimated (a
 step slowed by another process) is measured again instead of staying off for good.
 
+A draft may first need the drafter to catch up (`Drafter.catch_up_tokens`: a draft model prefills a request's
+prompt at its first draft, and every token since when it drafts again after k = 0). That cost is paid once, so it
+is weighed against the request's remaining tokens: the draft stays only if what it saves per step, at the planned
+batch, times the steps the request has left repays the catch-up (`_repaid_catch_ups`). Every speed the policy
+compares counts the tokens of the whole planned batch, the sequences that do not speculate (or are about to join)
+included: a draft's rows slow all of them.
+
 The cost model's levels follow what the engine measures (`observe_step`, `CostCalibration`): the target's
-seconds per forward and the drafter's seconds per drafted token, so an expensive drafter (a draft model on a
-slow machine) is switched off by its measured cost, not by an estimate.
+seconds per forward, the drafter's seconds per drafted token and per catch-up token, so an expensive drafter (a
+draft model on a slow machine) is switched off by its measured cost, not by an estimate.
 """
 from __future__ import annotations
 
@@ -163,25 +170,65 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         draft_s = cost.draft_s if self._steady_drafting else None
         self.calibration.observe(self.base_cost_model, cost.rows, cost.draft_lengths, draft_s, cost.target_s,
                                  cost.contexts)
+        if draft_s is None and cost.catch_up_tokens:
+            self.calibration.observe_catch_up(self.base_cost_model, cost.draft_lengths, cost.draft_s,
+                                              cost.catch_up_tokens)
         self.cost_model = self.calibration.apply(self.base_cost_model)
 
-    def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int) -> list[int]:
+    def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int,
+                      catch_up_tokens: SequenceOf[int] | None = None) -> list[int]:
         estimates = [self.estimate(seq) for seq in seqs]
         self._forget_others(seqs)
-        lengths = self.cost_model.allocate([e.table(self.max_draft_tokens) for e in estimates], batch_size,
-                                           self.max_draft_tokens, self.max_rows, [seq.num_cached for seq in seqs])
-        lengths = self._reprobe(lengths, estimates, batch_size, [seq.num_cached for seq in seqs])
+        contexts = [seq.num_cached for seq in seqs]
+        allocated = self.cost_model.allocate([e.table(self.max_draft_tokens) for e in estimates], batch_size,
+                                             self.max_draft_tokens, self.max_rows, contexts)
+        lengths = self._reprobe(list(allocated), estimates, batch_size, contexts)
+        if catch_up_tokens is not None:
+            probes = [k > 0 and not before for k, before in zip(lengths, allocated)]
+            lengths = self._repaid_catch_ups(lengths, probes, seqs, estimates, batch_size, contexts, catch_up_tokens)
         self._steady_drafting = all(e.last_draft_length > 0 for e, k in zip(estimates, lengths) if k > 0)
         for estimate, k in zip(estimates, lengths):
             estimate.last_draft_length = k
         return lengths
+
+    def _repaid_catch_ups(self, lengths: list[int], probes: list[bool], seqs: SequenceOf[Sequence],
+                          estimates: list[AcceptanceEstimate], batch_size: int, contexts: list[int],
+                          catch_up_tokens: SequenceOf[int]) -> list[int]:
+        """Keeps a draft that needs the drafter to catch up first only if the request's remaining tokens can repay
+        the catch-up: what its drafts save per step at this batch, times the steps it has left, against the
+        catch-up's seconds. Otherwise it stays at k = 0 (a draft model would prefill a prompt, or every token since
+        its last draft, to draft for a request about to end, or about to lose its drafts to a growing batch: the
+        saving counts at the planned batch).
+
+        The saving of seq i's draft: the step's tokens, at the seconds per token the step would take without it,
+        minus the step's seconds with it. A probe is weighed as if its draft were surely accepted (as
+        `_probe_could_pay` does): its estimate is what it is there to correct."""
+        per_token = self.cost_model.drafter.catch_up_per_token_s
+        if not per_token or not any(k and c for k, c in zip(lengths, catch_up_tokens)):
+            return lengths
+        others = batch_size - len(seqs)  # non-speculating or joining sequences: one token per step each
+        gains = [(k + 1 if probe else expected_accepted_length(k, e.table(k))) if k else 1.0
+                 for k, probe, e in zip(lengths, probes, estimates)]
+        tokens = sum(gains) + others
+        seconds = self.cost_model.step_seconds(lengths, batch_size, contexts)
+        kept = list(lengths)
+        for i, (seq, k, catch_up) in enumerate(zip(seqs, lengths, catch_up_tokens)):
+            if not k or not catch_up:
+                continue
+            without = lengths[:i] + [0] + lengths[i + 1 :]
+            tokens_without = tokens - gains[i] + 1
+            saving_per_step = tokens * self.cost_model.step_seconds(without, batch_size, contexts) / tokens_without - seconds
+            remaining = min(seq.remaining_tokens, seq.max_model_len - len(seq.all_token_ids))
+            if saving_per_step * remaining / gains[i] < catch_up * per_token:
+                kept[i] = 0
+        return kept
 
     def tree_nodes(self, seqs: SequenceOf[Sequence], draft_lengths: SequenceOf[int], verified_nodes: SequenceOf[int],
                    extra_worths: SequenceOf[SequenceOf[float]], batch_size: int) -> list[int]:
         """Extra tree nodes while they raise the step's expected tokens per second (CostModel.tree_nodes); the
         chains' expected tokens come from the requests' acceptance estimates, the nodes' from their worths times
         the measured worth calibration."""
-        tokens = _expected_tokens(draft_lengths, [self.estimate(seq) for seq in seqs])
+        tokens = _expected_tokens(draft_lengths, [self.estimate(seq) for seq in seqs]) + batch_size - len(seqs)
         scale = self.worth_calibration.scale
         return self.cost_model.tree_nodes(draft_lengths, verified_nodes, batch_size, tokens,
                                           [[worth * scale for worth in worths] for worths in extra_worths],
@@ -218,7 +265,7 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         probes could not turn drafting on and would only cost the drafter's catch-up: a draft model then
         prefills the prompts and every token since, a quarter of a run of 8 Qwen HumanEval requests at once."""
         model = CostCalibration(target_scale=self.calibration.target_scale).apply(self.base_cost_model)
-        tokens = _expected_tokens(lengths, estimates)
+        tokens = _expected_tokens(lengths, estimates) + batch_size - len(estimates)
         probed = [k or 1 for k in lengths]
         return ((tokens + lengths.count(0)) / model.step_seconds(probed, batch_size, contexts)
                 > tokens / model.step_seconds(lengths, batch_size, contexts))
@@ -263,17 +310,20 @@ def _cached_cost_model(target, drafter, model_name: str | None, weight_format: s
         except (OSError, ValueError):
             key = None
         profile = load_or_measure(target, key) if key is not None else None
-    t1 = profile.forward(1) if profile is not None else 1.0  # the fallback's time unit is T(1)
+    forward = profile.forward if profile is not None else CostModel.fallback(max_verify_tokens).forward
+    t1 = forward(1)
+    per_row = forward(forward.max_rows) / forward.max_rows  # a prefill is compute-bound: its cost per token
     drafter_cost = DrafterCost()  # ngram / suffix lookups: measured ≈ 0 next to a forward
-    if isinstance(drafter, DraftModelDrafter) and target is not None:
-        # decode is memory-bound: the draft's T(1) ≈ the target's T(1) scaled by the weight bytes streamed
-        per_token = t1 * drafter.weight_nbytes / max(1, target.weight_nbytes)
-        drafter_cost = DrafterCost(per_token_s=per_token, per_step_s=per_token, batched=True)
-    elif isinstance(drafter, HeadDrafter) and target is not None:
-        # the same bandwidth estimate for the head's weights; EAGLE runs once per draft position, Medusa once
-        per_forward = t1 * drafter.weight_nbytes / max(1, target.weight_nbytes)
-        per_token = per_forward if drafter.forward_per_draft_token else 0.0
-        drafter_cost = DrafterCost(per_token_s=per_token, per_step_s=per_forward, batched=True)
+    if isinstance(drafter, (DraftModelDrafter, HeadDrafter)) and target is not None:
+        # decode is memory-bound: a draft forward ≈ the target's T(1) scaled by the weight bytes streamed, and a
+        # catch-up token ≈ the target's per-row cost scaled by the weights (multiply-adds) it passes through;
+        # EAGLE runs once per draft position, Medusa once per step
+        share = drafter.weight_nbytes / max(1, target.weight_nbytes)
+        per_forward = t1 * share
+        per_draft_token = isinstance(drafter, DraftModelDrafter) or drafter.forward_per_draft_token
+        per_token = per_forward if per_draft_token else 0.0
+        drafter_cost = DrafterCost(per_token_s=per_token, per_step_s=per_forward, batched=True,
+                                   catch_up_per_token_s=per_row * share)
     if profile is None:
         return CostModel.fallback(max_verify_tokens, drafter_cost)
     return CostModel(profile.forward, drafter_cost, context=profile.context)

@@ -148,11 +148,16 @@ class DrafterCost:
     per_step_s: once per step that drafts at all (the draft model's catch-up forward of the committed tokens).
     batched: True when the sequences' tokens at one position share one forward (draft model): the step then
         costs max(k) · per_token_s; False (lookup drafters): sum(k) · per_token_s.
+    catch_up_per_token_s: per committed token a drafter must ingest before it can draft for a request, beyond
+        what a request drafting every step feeds (`Drafter.catch_up_tokens`): a draft model's prefill of the
+        prompt at a request's first draft, and of every token since when it drafts again after k = 0. Paid once,
+        so it is weighed against the request's remaining tokens, not against one step.
     """
 
     per_token_s: float = 0.0
     per_step_s: float = 0.0
     batched: bool = False
+    catch_up_per_token_s: float = 0.0
 
     def __call__(self, draft_lengths: SequenceOf[int]) -> float:
         if not any(draft_lengths):
@@ -211,13 +216,16 @@ class CostModel:
         next position adds most (prod_{j<=k_b} α_{b,j}; it shrinks as k_b grows, so greedy is optimal).
         Walking R = 0, 1, ... while batch_size + R stays within the knee (and max_rows), keep the R with the
         best speed (ties: fewer rows). contexts: cached tokens per speculating sequence (rows cost more at long
-        contexts, see ContextCosts).
+        contexts, see ContextCosts). Speed counts the tokens of the whole batch: each of the batch_size -
+        len(alphas) other sequences (not speculating, or about to join) adds one token per step, so a draft must
+        pay for its rows against the batch's rate, not only against its own sequence's.
         """
         row_limit = self.max_rows if max_rows is None else min(self.max_rows, max_rows)
         caps = [max_k] * len(alphas) if isinstance(max_k, int) else list(max_k)
         lengths, reach = [0] * len(alphas), [1.0] * len(alphas)
         tables = [_alphas(a, cap) for a, cap in zip(alphas, caps)]
-        best, best_speed, tokens = list(lengths), len(alphas) / self.step_seconds(lengths, batch_size, contexts), float(len(alphas))
+        tokens = float(max(batch_size, len(alphas)))
+        best, best_speed = list(lengths), tokens / self.step_seconds(lengths, batch_size, contexts)
         while batch_size + sum(lengths) < row_limit:
             gains = [reach[b] * tables[b][lengths[b]] if lengths[b] < caps[b] else -1.0 for b in range(len(alphas))]
             b = max(range(len(alphas)), key=gains.__getitem__, default=None)
@@ -238,7 +246,7 @@ class CostModel:
         """How many of each sequence's extra tree nodes to verify, beyond the verified_nodes[b] it verifies anyway
         (its chain of draft_lengths[b], or a tree the drafter did not weigh).
 
-        tokens: the step's expected tokens without extra nodes. A node's worth is the drafter's estimate that it is
+        tokens: the step's expected tokens without extra nodes (the whole batch's). A node's worth is the drafter's estimate that it is
         accepted, i.e. the tokens it adds on average; a sequence's worths are in decreasing order (a node is worth
         no more than its parent). Nodes are added best first, over all sequences, while batch_size + rows stays
         within the knee (and max_rows); the count with the best expected tokens per second is kept (ties: fewer).
@@ -285,12 +293,18 @@ class CostCalibration:
     fallback profile counts in units of T(1), so a prior of 1 would be off by the whole T(1)); the drafter's
     estimate is the profile's (for a draft model: its T(1) scaled by weight bytes) times the measured target
     scale until the drafter itself is measured, so the two stay in proportion from the first step on.
+
+    Those costly steps measure the drafter's catch-up instead (`observe_catch_up`):
+      catch_up_per_token_s = (drafter seconds − the steady drafting estimate) / catch-up tokens
+    from steps that fed at least `min_catch_up_tokens` of them.
     """
 
     weight: float = 0.2  # EMA weight of one step
     max_jump: float = 3.0  # an observation counts at most this many times the current estimate
+    min_catch_up_tokens: int = 8  # fewer say more about the step's noise than about the drafter's prefill
     target_scale: float | None = None
     draft_per_token_s: float | None = None
+    catch_up_per_token_s: float | None = None
 
     def observe(self, base: CostModel, rows: int, draft_lengths: SequenceOf[int], draft_s: float | None,
                 target_s: float, contexts: SequenceOf[int] | None = None) -> None:
@@ -306,6 +320,18 @@ class CostCalibration:
                 current = base.drafter.per_token_s * (self.target_scale or 1.0)
             self.draft_per_token_s = draft_s / drafted if current is None else self._average(current, draft_s / drafted)
 
+    def observe_catch_up(self, base: CostModel, draft_lengths: SequenceOf[int], draft_s: float,
+                         catch_up_tokens: int) -> None:
+        """A step whose drafter also caught up on catch_up_tokens committed tokens took draft_s seconds."""
+        if catch_up_tokens < self.min_catch_up_tokens or draft_s < 0:
+            return
+        calibrated = self.apply(base).drafter
+        measured = max(0.0, draft_s - calibrated(draft_lengths)) / catch_up_tokens
+        current = self.catch_up_per_token_s
+        if current is None and calibrated.catch_up_per_token_s > 0:
+            current = calibrated.catch_up_per_token_s
+        self.catch_up_per_token_s = measured if current is None else self._average(current, measured)
+
     def _average(self, current: float, value: float) -> float:
         return (1 - self.weight) * current + self.weight * min(value, self.max_jump * current)
 
@@ -316,11 +342,14 @@ class CostCalibration:
             forward = ForwardCosts(tuple(seconds * self.target_scale for seconds in base.forward.seconds))
             context = None if context is None else context.scaled(self.target_scale)
         drafter = base.drafter
-        if self.draft_per_token_s is not None:
-            drafter = DrafterCost(per_token_s=self.draft_per_token_s, per_step_s=0.0, batched=base.drafter.batched)
-        elif self.target_scale is not None:  # not measured yet: the profile's estimate at the measured level
+        if self.target_scale is not None:  # not measured yet: the profile's estimates at the measured level
             drafter = dataclasses.replace(drafter, per_token_s=drafter.per_token_s * self.target_scale,
-                                          per_step_s=drafter.per_step_s * self.target_scale)
+                                          per_step_s=drafter.per_step_s * self.target_scale,
+                                          catch_up_per_token_s=drafter.catch_up_per_token_s * self.target_scale)
+        if self.draft_per_token_s is not None:
+            drafter = dataclasses.replace(drafter, per_token_s=self.draft_per_token_s, per_step_s=0.0)
+        if self.catch_up_per_token_s is not None:
+            drafter = dataclasses.replace(drafter, catch_up_per_token_s=self.catch_up_per_token_s)
         return dataclasses.replace(base, forward=forward, drafter=drafter, context=context)
 
 

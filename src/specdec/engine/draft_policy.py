@@ -17,6 +17,7 @@ class StepCost:
     draft_s: float  # seconds in the drafter
     target_s: float  # seconds in the target forward
     contexts: tuple[int, ...] = ()  # cached tokens of each sequence of draft_lengths before the step
+    catch_up_tokens: int = 0  # tokens the drafter caught up on before drafting (Drafter.catch_up_tokens, summed)
 
 
 class DraftLengthPolicy(ABC):
@@ -35,11 +36,14 @@ class DraftLengthPolicy(ABC):
         return [len(worths) for worths in extra_worths]
 
     @abstractmethod
-    def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int) -> list[int]:
+    def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int,
+                      catch_up_tokens: SequenceOf[int] | None = None) -> list[int]:
         """Draft length per speculating sequence; batch_size counts every sequence in the step.
 
         Each sequence's own acceptance history is in `seq.metrics` (per-position drafted/accepted counts).
-        The engine still caps each length by the sequence's remaining tokens and context.
+        catch_up_tokens[i]: committed tokens the drafter must ingest before it can draft for seq i
+        (`Drafter.catch_up_tokens`; None: none). The engine still caps each length by the sequence's remaining
+        tokens and context.
         """
 
 
@@ -59,5 +63,6 @@ class BatchDraftPolicy(DraftLengthPolicy):
     def draft_length(self, batch_size: int) -> int:
         return max(0, min(self.num_speculative_tokens, self.max_verify_tokens // max(1, batch_size) - 1))
 
-    def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int) -> list[int]:
+    def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int,
+                      catch_up_tokens: SequenceOf[int] | None = None) -> list[int]:
         return [self.draft_length(batch_size)] * len(seqs)

@@ -63,6 +63,15 @@ class StepOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class _Proposal:
+    """A step's drafts, one per decoding sequence (empty when it does not draft), and the tokens the drafter
+    caught up on to draft them (`Drafter.catch_up_tokens`, summed over the drafting sequences)."""
+
+    drafts: list[Draft]
+    catch_up_tokens: int
+
+
 class Engine:
     def __init__(
         self,
@@ -205,7 +214,8 @@ class Engine:
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepOutput]:
         start = time.perf_counter()
-        drafts = self._propose(seqs)
+        proposal = self._propose(seqs)
+        drafts = proposal.drafts
         trees = [_verified_tree(seq, draft) for seq, draft in zip(seqs, drafts)]
         drafted = time.perf_counter()
         batch = ForwardBatch.build(
@@ -229,7 +239,8 @@ class Engine:
         step_times = (drafted - start, verified_at - drafted, done - verified_at)
         self._record_times(self.metrics, step_times)
         self.draft_policy.observe_step(StepCost(len(batch.token_ids), tuple(len(d.token_ids) for d in drafts),
-                                                step_times[0], step_times[1], tuple(seq.num_cached for seq in seqs)))
+                                                step_times[0], step_times[1], tuple(seq.num_cached for seq in seqs),
+                                                proposal.catch_up_tokens))
         outputs = [self._commit(seq, result, step_times, _emitted_rows(result, logits))
                    for seq, result, logits in zip(seqs, results, logits_per_seq)]
         if hidden_per_seq is not None:
@@ -247,18 +258,20 @@ class Engine:
         output = self.model.forward_hidden(batch, self.cache)
         return output.logits, list(output.hidden.split(list(batch.row_counts)))
 
-    def _propose(self, seqs: list[Sequence]) -> list[Draft]:
+    def _propose(self, seqs: list[Sequence]) -> _Proposal:
         speculating = [seq for seq in seqs if seq.speculative]
         drafts = {}
         planned_batch = self._planning_batch_size(len(seqs))
-        lengths = self.draft_policy.draft_lengths(speculating, batch_size=planned_batch) if speculating else []
+        catch_up = [self.drafter.catch_up_tokens(seq.request_id) for seq in speculating]
+        lengths = self.draft_policy.draft_lengths(speculating, planned_batch, catch_up) if speculating else []
         if any(lengths):
             budgets = [seq.max_draft_tokens(k) for seq, k in zip(speculating, lengths)]
             proposed = self.drafter.propose([seq.request_id for seq in speculating], budgets)
             node_budget = max(max(lengths), self.max_verify_tokens // len(seqs) - 1)
             capped = [_cap_tree(draft, seq.max_draft_tokens(node_budget)) for seq, draft in zip(speculating, proposed)]
             drafts = dict(zip((seq.request_id for seq in speculating), self._weigh_trees(speculating, capped, planned_batch)))
-        return [drafts.get(seq.request_id, EMPTY_DRAFT) for seq in seqs]
+        return _Proposal([drafts.get(seq.request_id, EMPTY_DRAFT) for seq in seqs],
+                         sum(tokens for tokens, k in zip(catch_up, lengths) if k))
 
     def _weigh_trees(self, seqs: list[Sequence], drafts: list[Draft], batch_size: int) -> list[Draft]:
         """Cuts the trees whose nodes the drafter weighed (DraftTree.worths) to the extra nodes the draft policy
