@@ -114,9 +114,15 @@ class WorthCalibration:
         return (self.accepted + self.prior_nodes) / (self.worth + self.prior_nodes)
 
 
-def _expected_tokens(draft_lengths: SequenceOf[int], estimates: SequenceOf[AcceptanceEstimate]) -> float:
-    """The step's expected tokens over these requests: E(k) from each one's acceptance estimates (1 at k = 0)."""
-    return sum(expected_accepted_length(k, e.table(k)) if k else 1.0 for k, e in zip(draft_lengths, estimates))
+def _expected_per_request(draft_lengths: SequenceOf[int], estimates: SequenceOf[AcceptanceEstimate]) -> list[float]:
+    """Each request's expected tokens this step: E(k) from its acceptance estimates (1 at k = 0)."""
+    return [expected_accepted_length(k, e.table(k)) if k else 1.0 for k, e in zip(draft_lengths, estimates)]
+
+
+def _batch_tokens(per_request: SequenceOf[float], batch_size: int) -> float:
+    """The step's expected tokens over the whole planned batch: the speculating requests' (per_request) plus one
+    for every other sequence (not speculating, or about to join)."""
+    return sum(per_request) + batch_size - len(per_request)
 
 
 def _delta(now: list[int], before: list[int]) -> list[int]:
@@ -206,10 +212,9 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         per_token = self.cost_model.drafter.catch_up_per_token_s
         if not per_token or not any(k and c for k, c in zip(lengths, catch_up_tokens)):
             return lengths
-        others = batch_size - len(seqs)  # non-speculating or joining sequences: one token per step each
-        gains = [(k + 1 if probe else expected_accepted_length(k, e.table(k))) if k else 1.0
-                 for k, probe, e in zip(lengths, probes, estimates)]
-        tokens = sum(gains) + others
+        gains = [k + 1 if probe else expected
+                 for k, probe, expected in zip(lengths, probes, _expected_per_request(lengths, estimates))]
+        tokens = _batch_tokens(gains, batch_size)
         seconds = self.cost_model.step_seconds(lengths, batch_size, contexts)
         kept = list(lengths)
         for i, (seq, k, catch_up) in enumerate(zip(seqs, lengths, catch_up_tokens)):
@@ -228,7 +233,7 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         """Extra tree nodes while they raise the step's expected tokens per second (CostModel.tree_nodes); the
         chains' expected tokens come from the requests' acceptance estimates, the nodes' from their worths times
         the measured worth calibration."""
-        tokens = _expected_tokens(draft_lengths, [self.estimate(seq) for seq in seqs]) + batch_size - len(seqs)
+        tokens = _batch_tokens(_expected_per_request(draft_lengths, [self.estimate(seq) for seq in seqs]), batch_size)
         scale = self.worth_calibration.scale
         return self.cost_model.tree_nodes(draft_lengths, verified_nodes, batch_size, tokens,
                                           [[worth * scale for worth in worths] for worths in extra_worths],
@@ -265,7 +270,7 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         probes could not turn drafting on and would only cost the drafter's catch-up: a draft model then
         prefills the prompts and every token since, a quarter of a run of 8 Qwen HumanEval requests at once."""
         model = CostCalibration(target_scale=self.calibration.target_scale).apply(self.base_cost_model)
-        tokens = _expected_tokens(lengths, estimates) + batch_size - len(estimates)
+        tokens = _batch_tokens(_expected_per_request(lengths, estimates), batch_size)
         probed = [k or 1 for k in lengths]
         return ((tokens + lengths.count(0)) / model.step_seconds(probed, batch_size, contexts)
                 > tokens / model.step_seconds(lengths, batch_size, contexts))
