@@ -185,3 +185,14 @@ def test_caches_of_different_dtypes_are_rejected():
     q, kc, vc, slots, ks, ke, scale = _case(4, 1, 256)
     with pytest.raises(RuntimeError, match="k_cache is .*Float.* but v_cache is .*Half"):
         ops.attention(q, kc, vc.half(), slots, ks, ke, scale)
+
+
+def test_work_items_balance_the_threads():
+    """Pairs of one (slot, kv head) are cut into items so that the threads finish together: SmolLM2's 8 verify rows
+    (3 kv heads x 24 pairs) were 3 items on 2 threads (one thread did two); Gemma's (1 kv head x 32 pairs) 2."""
+    assert ops.attention_split([24, 24, 24], 2) == [12] * 6
+    assert ops.attention_split([32], 2) == [16, 16]
+    assert ops.attention_split([24, 24, 24], 1) == [24, 24, 24]  # one thread: one item per group
+    assert ops.attention_split([3, 3, 3], 2) == [2, 1] * 3  # a decode row of SmolLM2's 9 heads
+    assert ops.attention_split([48, 48], 2) == [24] * 4  # Qwen-1.5B's 8 rows: pieces keep whole tiles of 4 pairs
+    assert sum(ops.attention_split([7, 30, 5], 2)) == 42

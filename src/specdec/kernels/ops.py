@@ -377,6 +377,15 @@ def attention(
     return _attention_torch(q, k_cache, v_cache, slots, key_start, key_end, scale, extra_keys)
 
 
+def attention_split(group_pairs: list[int], threads: int) -> list[int]:
+    """How the CPU attention kernel cuts the (row, head) pairs of each (slot, kv head) group into work items for
+    `threads` threads: the pairs of every item, in order. Only who computes a pair depends on it, never its result."""
+    ext = _load()
+    if ext is None:
+        raise RuntimeError("the CPU kernels are not built")
+    return list(ext.attention_split(list(group_pairs), threads))
+
+
 def _attention_torch(q, k_cache, v_cache, slots, key_start, key_end, scale, extra_keys=None) -> torch.Tensor:
     m, hq, d = q.shape
     _, hkv, length, _ = k_cache.shape
