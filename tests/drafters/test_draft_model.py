@@ -144,6 +144,23 @@ def test_reduced_vocabulary_rejects_ids_outside_the_vocabulary(make_tiny_model):
 
 
 # ---- catch-up: what a draft costs before its first draft token ----------------------------------------------
+def test_catch_up_looks_the_prefix_store_up_again_only_when_the_answer_can_change(make_tiny_model, monkeypatch):
+    model = make_tiny_model("qwen2")
+    drafter = DraftModelDrafter(model, max_num_seqs=2, max_model_len=64, prefix_cache_tokens=16384)
+    drafter.add_request("b", SHARED + [50, 51], SamplingParams(), None)
+    assert drafter.catch_up_tokens("b") == len(SHARED)  # nothing stored yet: its whole prompt, less a steady step's 2
+    lookups = []
+    match_length = drafter.prefixes.match_length
+    monkeypatch.setattr(drafter.prefixes, "match_length", lambda ids: lookups.append(len(ids)) or match_length(ids))
+    for step, token in enumerate((60, 61, 62), start=1):  # steps at k = 0 while the store does not change
+        drafter.observe("b", [token])
+        assert drafter.catch_up_tokens("b") == len(SHARED) + step
+    assert lookups == []
+    drafter.add_request("a", SHARED + [40], SamplingParams(), None)
+    drafter.propose(["a"], [2])  # a's first draft prefills its prompt and stores it: the store changed
+    assert drafter.catch_up_tokens("b") == 5 - 2 and len(lookups) == 1  # copies SHARED, feeds its other 5 tokens
+
+
 def test_catch_up_tokens_count_what_the_first_forward_feeds_beyond_a_steady_step(make_tiny_model):
     model = make_tiny_model("qwen2")
     prompt = SHARED + [40, 41, 42]  # 23 tokens

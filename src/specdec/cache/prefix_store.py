@@ -38,6 +38,7 @@ class PrefixStore:
         self.min_match = min_match
         self._entries: OrderedDict[tuple[int, ...], PrefixEntry] = OrderedDict()  # least recently used first
         self._num_tokens = 0
+        self.version = 0  # changes whenever an entry is added or dropped (what a match can find changes)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -80,12 +81,14 @@ class PrefixStore:
                             [v[slot, :, :length].clone() for v in cache.values])
         self._entries[key] = entry
         self._num_tokens += length
+        self.version += 1
         while self._num_tokens > self.max_tokens:
             self._drop(next(iter(self._entries)))
 
     def _drop(self, key: tuple[int, ...]) -> None:
         del self._entries[key]
         self._num_tokens -= len(key)
+        self.version += 1
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -51,6 +51,8 @@ class _DraftState:
     token_ids: list[int]  # committed sequence (prompt + output)
     cached_token_ids: list[int] = field(default_factory=list)  # tokens with valid draft-cache entries, by position
     prefix_saved: bool = False  # its prompt's draft-cache entries went to the prefix store
+    # the prefix store's match for token_ids while nothing is cached: (store version, len(token_ids), match length)
+    prefix_match: tuple[int, int, int] | None = None
 
 
 class DraftModelDrafter(Drafter):
@@ -97,8 +99,21 @@ class DraftModelDrafter(Drafter):
         state = self.states[request_id]
         cached = len(state.cached_token_ids)
         if not cached and self.prefixes is not None:
-            cached = self.prefixes.match_length(state.token_ids)
+            cached = self._prefix_match(state)
         return max(0, len(state.token_ids) - cached - STEADY_FEED)
+
+    def _prefix_match(self, state: _DraftState) -> int:
+        """`PrefixCache.match_length` of the request's tokens, looked up again only when it can have changed: the
+        store changed, or the last match reached the end of the tokens then (more tokens may match further) or
+        was looked up below the store's minimum match. A request that never drafts is asked every step."""
+        store = self.prefixes.store
+        if state.prefix_match is not None:
+            version, length, match = state.prefix_match
+            if version == store.version and match < length - 1 and length - 1 >= store.min_match:
+                return match
+        match = self.prefixes.match_length(state.token_ids)
+        state.prefix_match = (store.version, len(state.token_ids), match)
+        return match
 
     @property
     def weight_nbytes(self) -> int:
