@@ -3,7 +3,7 @@ greedy output identical to plain decoding (batch 1 and 4) on tiny models."""
 import pytest
 
 from specdec.config import SamplingParams
-from specdec.engine.adaptive import AcceptanceEstimate, AdaptiveDraftPolicy, build_draft_policy
+from specdec.engine.adaptive import AcceptanceEstimate, AdaptiveDraftPolicy, PopulationPrior, build_draft_policy
 from specdec.engine.cost_model import CostCalibration, CostModel, DrafterCost, ForwardCosts
 from specdec.engine.draft_policy import BatchDraftPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
@@ -221,6 +221,92 @@ def test_first_observations_replace_the_prior_as_a_running_mean():
         metrics.record_step(1, 1)
         estimate.update(metrics)
         assert estimate.alpha(0) == pytest.approx(value)
+
+
+def test_positions_drafted_for_the_first_time_start_from_the_planned_estimate():
+    """Deeper positions are planned with the deepest drafted position's estimate; their first observation moves
+    that estimate, it does not restart them at the prior (which made an all-accepted deeper draft look worse)."""
+    estimate = AcceptanceEstimate(prior=0.7, weight=0.3)
+    metrics = SpecDecodeMetrics()
+    metrics.record_step(4, 4)
+    estimate.update(metrics)
+    assert estimate.table(6) == pytest.approx([0.85] * 6)  # 4, 5 not drafted yet: planned as position 3
+    metrics.record_step(8, 8)
+    estimate.update(metrics)
+    assert estimate.table(8) == pytest.approx([0.9] * 4 + [0.925] * 4)  # 4..7 from the planned 0.85, weight 1/2
+
+
+# Gemma-3-270M's T(1..32) measured on this project's 2-core machine (ms): rows get dearer past ~8
+GEMMA_LIKE = CostModel(ForwardCosts(tuple(ms / 1000 for ms in (
+    11.23, 11.23, 11.56, 12.09, 12.26, 13.08, 13.97, 14.58, 15.33, 16.68, 17.04, 18.45, 19.62, 20.25, 21.56, 23.22,
+    23.36, 25.08, 26.82, 27.14, 29.33, 30.75, 31.47, 33.33, 35.56, 36.32, 37.48, 39.48, 39.66, 41.43, 43.01, 43.4))))
+
+
+def test_k_climbs_while_every_draft_is_accepted(tiny_tokenizer):
+    policy = AdaptiveDraftPolicy(16, GEMMA_LIKE, max_verify_tokens=32)
+    seq = make_seq(tiny_tokenizer)
+    lengths = [step(policy, [seq], [16])[0] for _ in range(12)]
+    assert lengths == sorted(lengths) and lengths[3] >= 13, lengths  # it used to fall back to 10 after each deeper draft
+
+
+def test_positions_beyond_fully_accepted_drafts_recover_from_early_misses():
+    """A position that missed early is not drafted again while its estimate is low; once it has gone stale_after (8)
+    fully accepted steps unobserved, each further one pulls its estimate up toward the draft's last position's, by
+    stale_weight (0.2) per step, never above it."""
+    estimate = AcceptanceEstimate(prior=0.7, weight=0.3)
+    metrics = SpecDecodeMetrics()
+    for _ in range(3):
+        metrics.record_step(4, 2)  # positions 0, 1 accepted, 2 rejected: no step accepted its whole draft
+        estimate.update(metrics)
+    low = estimate.alpha(2)
+    assert low < 0.3 and estimate.alpha(3) == low  # 3 was never reached: planned as the deepest observed, 2
+    for _ in range(8):
+        metrics.record_step(2, 2)
+        estimate.update(metrics)
+    assert estimate.alpha(2) == pytest.approx(low)  # not stale yet
+    metrics.record_step(2, 2)
+    estimate.update(metrics)
+    assert estimate.alpha(2) == pytest.approx(low + 0.2 * (estimate.alpha(1) - low))
+    for _ in range(20):
+        metrics.record_step(2, 2)
+        estimate.update(metrics)
+    assert 0.8 < estimate.alpha(2) <= estimate.alpha(1)
+
+
+def test_k_grows_again_after_early_misses_once_the_drafts_hit(tiny_tokenizer):
+    policy = AdaptiveDraftPolicy(16, CostModel(ForwardCosts.linear(0.010, 0.10)), max_verify_tokens=32)
+    seq = make_seq(tiny_tokenizer)
+    early = [step(policy, [seq], [2])[0] for _ in range(3)]  # every draft stops at position 2
+    later = [step(policy, [seq], [16])[0] for _ in range(25)]  # then every draft is accepted
+    # k = 2 while position 2's early misses are recent, then deeper once they are stale (it stayed at 2 for good)
+    assert early[-1] == 2 and later[:8] == [2] * 8 and later[-1] >= 8, (early, later)
+
+
+def test_population_prior_folds_the_positions_finished_requests_drafted():
+    population = PopulationPrior(prior=0.7)
+    done = AcceptanceEstimate(0.7, 0.3, alphas=[0.9, 0.8, 0.5], observations=[5, 5, 0])  # position 2 never drafted
+    population.fold(done)
+    assert population.alphas == pytest.approx([0.9, 0.8])  # the first finished request replaces the prior
+    population.fold(AcceptanceEstimate(0.7, 0.3, alphas=[1.0], observations=[3]))
+    assert population.alphas == pytest.approx([0.95, 0.8])  # then a running mean (an EMA from the 4th on)
+    start = population.start(0.3)
+    assert start.table(4) == pytest.approx([0.95, 0.8, 0.8, 0.8]) and start.observations == [0, 0]
+    for _ in range(4):
+        population.fold(AcceptanceEstimate(0.7, 0.3, alphas=[0.0, 0.0], observations=[9, 9]))
+    assert population.start(0.3).table(2) == pytest.approx([0.3, 0.3])  # never below the floor
+
+
+def test_a_new_request_starts_from_where_finished_requests_ended(tiny_tokenizer):
+    policy = AdaptiveDraftPolicy(16, GEMMA_LIKE, max_verify_tokens=32)
+    first = make_seq(tiny_tokenizer, "first")
+    first_lengths = [step(policy, [first], [16])[0] for _ in range(10)]  # every draft accepted
+    second = make_seq(tiny_tokenizer, "second")
+    assert step(policy, [second], [16])[0] >= 12 > first_lengths[0], first_lengths  # no warm-up from the prior
+    misses = make_seq(tiny_tokenizer, "misses")
+    for _ in range(10):
+        step(policy, [misses], [0])
+    after = step(policy, [make_seq(tiny_tokenizer, "after")], [0])[0]
+    assert policy.population.alphas[0] < 0.8 and after > 0  # the misses lowered the start; it still drafts
 
 
 def test_engine_reports_each_decode_step_cost(make_tiny_model, tiny_tokenizer):

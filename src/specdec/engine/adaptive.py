@@ -2,9 +2,11 @@
 most tokens per second under the measured cost of verification (`specdec.engine.cost_model`).
 
 Per request and draft position i we keep α_i, an exponential moving average of the conditional acceptance
-P(token i accepted | tokens 0..i-1 accepted). It starts at an optimistic prior (0.7: enough to try drafting),
-positions not drafted yet take the estimate of the deepest drafted one, and it is updated from the request's
-own `SpecDecodeMetrics` after every verify step. Each step the cost model splits the step's row budget (the
+P(token i accepted | tokens 0..i-1 accepted). It starts from where recently finished requests ended
+(`PopulationPrior`; before any, an optimistic prior of 0.7: enough to try drafting), positions not drafted yet
+take the estimate of the deepest drafted one, and it is updated from the request's own `SpecDecodeMetrics` after
+every verify step; a position left undrafted behind fully accepted drafts for a while drifts back up toward the
+draft's last position, so early misses are tried again. Each step the cost model splits the step's row budget (the
 knee of T(n)) over the batch so that expected tokens per second is largest; a request may get k = 0. A
 request held at k = 0 for `reprobe_interval` steps probes: it drafts one token in two consecutive steps, so a
 request whose drafts start hitting later (a repeated passage, code) climbs back — unless even a surely accepted
@@ -42,8 +44,11 @@ class AcceptanceEstimate:
 
     prior: float
     weight: float  # EMA weight of one observation
+    stale_after: int = 8  # fully accepted steps without observing a position before its estimate counts as stale
+    stale_weight: float = 0.2  # then: pull per fully accepted step toward the estimate of the draft's last position
     alphas: list[float] = field(default_factory=list)  # [max_k]
     observations: list[int] = field(default_factory=list)  # [max_k] steps folded in per position
+    unobserved_full_steps: list[int] = field(default_factory=list)  # [max_k] fully accepted steps since observed
     seen_drafted: list[int] = field(default_factory=list)  # metrics counters at the last update
     seen_accepted: list[int] = field(default_factory=list)
     steps_at_zero: int = 0
@@ -71,22 +76,89 @@ class AcceptanceEstimate:
         drafted = _delta(metrics.drafted_per_position, self.seen_drafted)
         accepted = _delta(metrics.accepted_per_position, self.seen_accepted)
         self.seen_drafted, self.seen_accepted = list(metrics.drafted_per_position), list(metrics.accepted_per_position)
+        planned = self.alpha(len(self.alphas))  # what the steps were planned with at positions never drafted before
         for i, drafted_i in enumerate(drafted):
             reached = drafted_i if i == 0 else min(drafted_i, accepted[i - 1])
             if reached:
-                self._observe(i, accepted[i] / reached, reached)
+                self._observe(i, accepted[i] / reached, reached, planned)
+        deepest = max((i + 1 for i, drafted_i in enumerate(drafted) if drafted_i), default=0)
+        if deepest and accepted[deepest - 1] > 0:
+            self._relax_beyond(deepest, accepted[deepest - 1])
 
-    def _observe(self, position: int, rate: float, count: int) -> None:
+    def _relax_beyond(self, k: int, full_steps: int) -> None:
+        """`full_steps` steps had all their k drafted tokens accepted. The positions beyond k were not drafted, so
+        not observed; once one has gone `stale_after` such steps unobserved, its estimate, if below position
+        k - 1's, moves up toward it by `stale_weight` per further step. Without this a position that missed a few
+        times early kept its low estimate for good, since k never reached it again: a Gemma-3-270M qa answer
+        drafted k = 2 for 36 steps after 3 misses at position 2, whose acceptance a fixed k = 8 measured at
+        0.85 (session 14). A position that really ends the drafts' hits is then tried again about every
+        stale_after steps, one row each time."""
+        target = self.alphas[k - 1]
+        for position in range(k, len(self.alphas)):
+            before = self.unobserved_full_steps[position]
+            self.unobserved_full_steps[position] = before + full_steps
+            stale_steps = self.unobserved_full_steps[position] - max(before, self.stale_after)
+            if stale_steps > 0 and self.alphas[position] < target:
+                self.alphas[position] += (1 - (1 - self.stale_weight) ** stale_steps) * (target - self.alphas[position])
+
+    def _observe(self, position: int, rate: float, count: int, planned: float) -> None:
         """Folds in `count` steps with acceptance `rate` at `position`: each step weighs max(weight, 1 / (n + 2))
-        for the n-th observation (the prior counting as one), so the first steps replace the prior as a running
-        mean would, and later ones average over about 1 / weight recent steps."""
+        for the n-th observation (the estimate before it counting as one), so the first steps replace it as a
+        running mean would, and later ones average over about 1 / weight recent steps.
+
+        A position drafted for the first time starts from `planned`, the estimate the step was planned with (the
+        deepest drafted position's, see `alpha`), not from the prior: starting it at the prior made a deeper draft
+        that was all accepted lower the new positions' estimates (planned at 0.95, then 0.7 + 0.5 · 0.3 = 0.85),
+        so k fell back after every success and never climbed past where it first got."""
         while len(self.alphas) <= position:
-            self.alphas.append(self.prior)
+            self.alphas.append(planned)
             self.observations.append(0)
+            self.unobserved_full_steps.append(0)
+        self.unobserved_full_steps[position] = 0
         for _ in range(count):
             step_weight = max(self.weight, 1 / (self.observations[position] + 2))
             self.alphas[position] += step_weight * (rate - self.alphas[position])
             self.observations[position] += 1
+
+
+@dataclass
+class PopulationPrior:
+    """Where a new request's estimates start: per position, the estimates of recently finished requests.
+
+    A request starting from the fixed prior (0.7) drafts k = 4 or so and needs several steps to reach the k its
+    drafts deserve; on 128-token answers with ngram on Gemma-3-270M (≈ 10-15 verify steps) that warm-up was a
+    good part of each answer. Requests of one workload accept alike, so a new one starts from what the last ones
+    ended with: a running mean over the first finished requests (the first replaces the fixed prior, which is
+    a guess), then an EMA (`weight` per request), of each position's estimate where the request drafted it. A new
+    request's start counts as one observation, as the fixed prior did, and never lies below `floor`, so a request
+    after a run of misses still tries a draft.
+    """
+
+    prior: float
+    weight: float = 0.25
+    floor: float = 0.3
+    alphas: list[float] = field(default_factory=list)  # [positions drafted by some finished request]
+    requests: list[int] = field(default_factory=list)  # per position: finished requests folded in
+
+    def fold(self, estimate: AcceptanceEstimate) -> None:
+        """Adds a finished request's estimates at the positions it drafted (a position no finished request drafted
+        yet starts from the deepest one's estimate before this request, as a request's own positions do)."""
+        deepest = self.alphas[-1] if self.alphas else self.prior
+        for position, (alpha, observations) in enumerate(zip(estimate.alphas, estimate.observations)):
+            if not observations:
+                continue
+            while len(self.alphas) <= position:
+                self.alphas.append(deepest)
+                self.requests.append(0)
+            step_weight = max(self.weight, 1 / (self.requests[position] + 1))
+            self.alphas[position] += step_weight * (alpha - self.alphas[position])
+            self.requests[position] += 1
+
+    def start(self, weight: float) -> AcceptanceEstimate:
+        """A new request's estimate (EMA weight `weight`), from the population (the prior before any request)."""
+        alphas = [max(self.floor, alpha) for alpha in self.alphas]
+        return AcceptanceEstimate(self.prior, weight, alphas=alphas, observations=[0] * len(alphas),
+                                  unobserved_full_steps=[0] * len(alphas))
 
 
 @dataclass
@@ -153,6 +225,7 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         self.ema_weight = ema_weight
         self.reprobe_interval = reprobe_interval
         self._estimates: dict[str, tuple[Sequence, AcceptanceEstimate]] = {}
+        self.population = PopulationPrior(prior_alpha)
         self._steady_drafting = False  # whether the last step's drafting requests all drafted the step before
         self.worth_calibration = WorthCalibration()
 
@@ -160,7 +233,9 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         """The request's acceptance estimate, up to date with its metrics (a new one for a new Sequence)."""
         entry = self._estimates.get(seq.request_id)
         if entry is None or entry[0] is not seq:
-            entry = (seq, AcceptanceEstimate(self.prior_alpha, self.ema_weight))
+            if entry is not None:
+                self._retire(entry)
+            entry = (seq, self.population.start(self.ema_weight))
             self._estimates[seq.request_id] = entry
         entry[1].update(seq.metrics)
         return entry[1]
@@ -183,8 +258,8 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
 
     def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int,
                       catch_up_tokens: SequenceOf[int] | None = None) -> list[int]:
+        self._forget_others(seqs)  # first: a finished request's estimates are where a new one starts
         estimates = [self.estimate(seq) for seq in seqs]
-        self._forget_others(seqs)
         contexts = [seq.num_cached for seq in seqs]
         allocated = self.cost_model.allocate([e.table(self.max_draft_tokens) for e in estimates], batch_size,
                                              self.max_draft_tokens, self.max_rows, contexts)
@@ -276,10 +351,16 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
                 > tokens / model.step_seconds(lengths, batch_size, contexts))
 
     def _forget_others(self, seqs: SequenceOf[Sequence]) -> None:
-        """Drops finished requests: every running speculating request is in every decode step."""
+        """Drops finished requests (every running speculating request is in every decode step), folding their
+        estimates into the population prior."""
         current = {seq.request_id for seq in seqs}
         for request_id in [r for r in self._estimates if r not in current]:
-            del self._estimates[request_id]
+            self._retire(self._estimates.pop(request_id))
+
+    def _retire(self, entry: tuple[Sequence, AcceptanceEstimate]) -> None:
+        seq, estimate = entry
+        estimate.update(seq.metrics)  # its last verify steps
+        self.population.fold(estimate)
 
 
 def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: int, max_verify_tokens: int,
