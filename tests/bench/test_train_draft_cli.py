@@ -51,3 +51,28 @@ def test_train_draft_samples_more_continuations_and_reports_held_out_chains(tiny
     assert "--eval-prompts needs --holdout-every" in capsys.readouterr().err
     assert main(argv + ["--samples", "0"]) == 2
     assert "--samples must be >= 1" in capsys.readouterr().err
+
+
+def test_train_draft_adds_self_instructed_questions_and_warm_starts(tiny_model_dir, spec_bench_file, humaneval_file,
+                                                                    tmp_path, capsys):
+    from specdec.heads.config import load_head
+
+    base = ["train-draft", "--model", str(tiny_model_dir), "--method", "eagle", "--prompts", str(spec_bench_file),
+            "--prompts", str(humaneval_file), "--max-new-tokens", "8", "--batch-tokens", "64", "--threads", "1",
+            "--steps", "2"]
+    first, second = tmp_path / "first.safetensors", tmp_path / "second.safetensors"
+    assert main(base + ["--out", str(first)]) == 0
+    assert main(base + ["--out", str(second), "--self-instruct", "4", "--self-instruct-max-tokens", "24",
+                        "--init-from", str(first)]) == 0
+    training = json.loads(second.with_suffix(".json").read_text())["training"]
+    rows = (tmp_path / f"{tiny_model_dir.name}-features-self-instruct" / "questions.jsonl").read_text().splitlines()
+    assert rows and training["self_instruct"]["questions"] == len(rows)
+    assert training["sequences"] == 4 + len(rows)  # the dev prompts' continuations (cached) and the new questions'
+    assert training["init_from"] == str(first)
+    assert load_head(second).draft_token_ids.tolist() == load_head(first).draft_token_ids.tolist()
+    capsys.readouterr()
+    assert main(base + ["--out", str(tmp_path / "third.safetensors"), "--init-from", str(first),
+                        "--draft-vocab", "64"]) == 2
+    assert "another configuration (draft_vocab_size differ)" in capsys.readouterr().err
+    assert main(base + ["--out", str(tmp_path / "third.safetensors"), "--self-instruct", "-1"]) == 2
+    assert "--self-instruct must be >= 0" in capsys.readouterr().err

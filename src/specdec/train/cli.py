@@ -46,6 +46,16 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompts", type=int, default=None, help="use N prompts, evenly spaced over the files")
     parser.add_argument("--holdout-every", type=int, default=0, help="leave out every N-th question of each file")
     parser.add_argument("--generate-batch", type=int, default=8, help="prompts generated together (one feature shard)")
+    parser.add_argument("--self-instruct", type=int, default=0, metavar="N",
+                        help="the target also writes N new questions modelled on the training questions, and its "
+                        "continuations of them join the data (see specdec.train.self_instruct)")
+    parser.add_argument("--self-instruct-temperature", type=float, default=1.0)
+    parser.add_argument("--self-instruct-top-p", type=float, default=0.95)
+    parser.add_argument("--self-instruct-max-tokens", type=int, default=192,
+                        help="longest question the target writes; only seeds this short are imitated")
+    parser.add_argument("--init-from", default=None, metavar="HEAD",
+                        help="start from this head file's weights and draft vocabulary (same configuration) instead "
+                        "of random ones; a checkpoint of --out, when there is one, still takes precedence")
     parser.add_argument("--features-dir", default=None, help="feature cache (default: beside --out, shared by methods)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
@@ -73,6 +83,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     data_s = time.perf_counter() - started
     num_tokens = sum(len(s.token_ids) for s in sequences)
     print(f"[data: {len(sequences)} sequences, {num_tokens} tokens in {features} ({data_s:.0f} s this run)]", file=sys.stderr)
+    instructed = _self_instruct_sequences(args, target, tokenizer, prompt_files, features)
+    sequences = sequences + instructed
     held_out = _held_out_sequences(args, target, tokenizer, prompt_files, features)
     trainer, finished = _train(args, target, sequences, out)
     history = trainer.state.history
@@ -86,7 +98,10 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
                 "loss_positions": args.loss_positions, "feature_weight": args.feature_weight,
                 "token_weight": args.token_weight, "precision": trainer.settings.precision,
                 "final_loss": sum(r.loss for r in tail) / len(tail), "final_accuracy": sum(r.accuracy for r in tail) / len(tail),
-                "first_loss": history[0].loss}
+                "first_loss": history[0].loss, "init_from": args.init_from,
+                "self_instruct": {"questions": len(instructed), "tokens": sum(len(s.token_ids) for s in instructed),
+                                  "temperature": args.self_instruct_temperature, "top_p": args.self_instruct_top_p,
+                                  "max_tokens": args.self_instruct_max_tokens} if instructed else None}
     if held_out:
         training["held_out"] = _evaluate(trainer, held_out, max(args.unroll_steps, 5 if args.method == "eagle" else 1))
     save_head(out, trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, training)
@@ -108,6 +123,13 @@ def _check_arguments(args) -> None:
     """Settings that cannot work, refused before any model is loaded."""
     if args.samples < 1 or args.sample_temperature <= 0:
         raise ValueError(f"--samples must be >= 1 and --sample-temperature > 0 (got {args.samples}, {args.sample_temperature})")
+    if args.self_instruct < 0 or args.self_instruct_max_tokens < 1 or args.self_instruct_temperature <= 0 \
+            or not 0 < args.self_instruct_top_p <= 1:
+        raise ValueError("--self-instruct must be >= 0, --self-instruct-max-tokens >= 1, --self-instruct-temperature > 0 "
+                         f"and --self-instruct-top-p in (0, 1] (got {args.self_instruct}, {args.self_instruct_max_tokens}, "
+                         f"{args.self_instruct_temperature}, {args.self_instruct_top_p})")
+    if args.init_from is not None and not Path(args.init_from).is_file():
+        raise FileNotFoundError(f"--init-from: no such head file: {args.init_from}")
     if args.eval_prompts > 0 and args.holdout_every <= 0:
         raise ValueError("--eval-prompts needs --holdout-every (the evaluation prompts are the held-out ones)")
 
@@ -125,6 +147,35 @@ def _held_out_sequences(args, target, tokenizer, prompt_files, features: Path):
                        args.generate_batch)
     return _cached_sequences(target, tokenizer, prompts, Path(f"{features}-heldout{args.holdout_every}"), spec,
                              "held-out continuations")
+
+
+def _self_instruct_sequences(args, target, tokenizer, prompt_files, features: Path):
+    """The target's continuations of the questions it wrote itself (both cached beside the other features), or []
+    without --self-instruct."""
+    from tqdm import tqdm
+
+    from specdec.heads.config import target_fingerprint
+    from specdec.train.data import FeatureSpec, load_prompts
+    from specdec.train.self_instruct import SelfInstructSpec, training_seeds, write_self_instruct_questions
+
+    if args.self_instruct <= 0:
+        return []
+    seeds = training_seeds(prompt_files, args.holdout_every, tokenizer, args.self_instruct_max_tokens)
+    spec = SelfInstructSpec(target_fingerprint(target), tuple(prompt_files), args.holdout_every, args.self_instruct,
+                            args.self_instruct_temperature, args.self_instruct_top_p, args.self_instruct_max_tokens,
+                            args.seed)
+    directory = Path(f"{features}-self-instruct")
+    with tqdm(total=spec.count, desc=f"self-instruct questions ({len(seeds)} seeds)", unit="question") as bar:
+        path = write_self_instruct_questions(target, tokenizer, seeds, directory, spec, max(args.generate_batch, 16),
+                                             lambda done, _: bar.update(done - bar.n))
+    prompts = load_prompts(tokenizer, [str(path)])
+    print(f"[self-instruct: {len(prompts)} questions kept of {spec.count} in {path}]", file=sys.stderr)
+    if not prompts:
+        return []
+    feature_spec = FeatureSpec(target_fingerprint(target), (str(path),), len(prompts), args.max_new_tokens,
+                               args.max_len, args.generate_batch)
+    return _cached_sequences(target, tokenizer, prompts, directory / "features", feature_spec,
+                             "self-instruct continuations")
 
 
 def _cached_sequences(target, tokenizer, prompts, directory: Path, spec, description: str):
@@ -159,13 +210,17 @@ def _train(args, target, sequences, out: Path):
     from specdec.train.trainer import Trainer, TrainSettings, draft_vocabulary
 
     config = head_config(args, target)
-    parts = TargetParts.from_target(target, draft_vocabulary(sequences, target.config.vocab_size, config.draft_vocab_size))
+    initial = _initial_head(args.init_from, config)
+    draft_token_ids = (initial.draft_token_ids if initial is not None
+                       else draft_vocabulary(sequences, target.config.vocab_size, config.draft_vocab_size))
+    parts = TargetParts.from_target(target, draft_token_ids)
     settings = TrainSettings(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
                              time_limit_s=args.time_limit_min * 60 if args.time_limit_min else None,
                              unroll_steps=args.unroll_steps, feature_weight=args.feature_weight,
                              token_weight=args.token_weight, loss_positions=args.loss_positions,
                              precision=_precision(args.precision, target.device))
-    trainer = Trainer(config, parts, sequences, settings, checkpoint=out.with_suffix(".ckpt"))
+    trainer = Trainer(config, parts, sequences, settings, checkpoint=out.with_suffix(".ckpt"),
+                      initial_state=initial.state if initial is not None else None)
     with tqdm(total=args.steps, initial=trainer.state.step, desc=f"training {args.method}", unit="step") as bar:
         def on_step(record) -> None:
             bar.set_postfix(loss=f"{record.loss:.3f}", acc=f"{record.accuracy:.2f}", refresh=False)
@@ -173,6 +228,19 @@ def _train(args, target, sequences, out: Path):
 
         finished = trainer.run(on_step)
     return trainer, finished
+
+
+def _initial_head(path: str | None, config):
+    """The --init-from head file, checked to have the configuration this run trains (None without it)."""
+    from specdec.heads.config import load_head
+
+    if path is None:
+        return None
+    initial = load_head(path)
+    if initial.config != config:
+        differing = sorted(name for name, value in vars(config).items() if getattr(initial.config, name) != value)
+        raise ValueError(f"--init-from {path} is a head of another configuration ({', '.join(differing)} differ)")
+    return initial
 
 
 def _precision(requested: str, device) -> str:

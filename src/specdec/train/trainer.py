@@ -266,7 +266,10 @@ class Trainer:
     """One head, its optimizer and TrainState; `run` trains to settings.steps, checkpointing as it goes."""
 
     def __init__(self, config: HeadConfig, parts: TargetParts, sequences: list[TrainingSequence],
-                 settings: TrainSettings, checkpoint: Path | None = None) -> None:
+                 settings: TrainSettings, checkpoint: Path | None = None,
+                 initial_state: dict[str, torch.Tensor] | None = None) -> None:
+        """initial_state: head weights to start from (a warm start) instead of random ones; a checkpoint, when one
+        exists, is resumed instead."""
         if not sequences:
             raise ValueError("no training sequences")
         self.config, self.parts, self.sequences, self.settings = config, parts, sequences, settings
@@ -278,6 +281,8 @@ class Trainer:
         self.checkpoint = checkpoint
         if checkpoint is not None and checkpoint.is_file():
             self._resume(checkpoint)
+        elif initial_state is not None:
+            self.head.load_state_dict(initial_state)
 
     def _resume(self, path: Path) -> None:
         saved = torch.load(path, weights_only=False)
