@@ -68,6 +68,8 @@ def test_train_draft_adds_self_instructed_questions_and_warm_starts(tiny_model_d
     rows = (tmp_path / f"{tiny_model_dir.name}-features-self-instruct" / "questions.jsonl").read_text().splitlines()
     assert rows and training["self_instruct"]["questions"] == len(rows)
     assert training["sequences"] == 4 + len(rows)  # the dev prompts' continuations (cached) and the new questions'
+    first_tokens = json.loads(first.with_suffix(".json").read_text())["training"]["tokens"]
+    assert training["tokens"] == first_tokens + training["self_instruct"]["tokens"]
     assert training["init_from"] == str(first)
     assert load_head(second).draft_token_ids.tolist() == load_head(first).draft_token_ids.tolist()
     capsys.readouterr()

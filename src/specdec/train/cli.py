@@ -89,7 +89,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     trainer, finished = _train(args, target, sequences, out)
     history = trainer.state.history
     tail = history[-20:]
-    training = {"prompt_files": list(prompt_files), "sequences": len(sequences), "tokens": num_tokens,
+    training = {"prompt_files": list(prompt_files), "sequences": len(sequences),
+                "tokens": sum(len(s.token_ids) for s in sequences),
                 "continuation_tokens": sum(len(s.token_ids) - s.prompt_length for s in sequences),
                 "samples": args.samples, "sample_temperature": args.sample_temperature,
                 "steps": trainer.state.step, "train_seconds": round(trainer.state.train_seconds, 1),
