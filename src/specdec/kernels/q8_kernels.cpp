@@ -1111,48 +1111,35 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
   return y;
 }
 
-// How the (row, head) pairs of one (slot, kv head) are cut into work items. A group of P pairs is cut into
+// How the (row, head) pairs of one (slot, kv head) are cut into work items: a group of P pairs is cut into
 // ceil(P / cap) pieces of equal size, rounded up to a multiple of 4 (the pair tile of attn_item_avx) when the
-// pieces hold 4 or more; the last piece takes the rest.
-inline int64_t attention_piece_size(int64_t pairs, int64_t cap) {
+// pieces hold 4 or more; the last piece takes the rest. Appends the pieces' sizes.
+inline void append_attention_pieces(int64_t pairs, int64_t cap, std::vector<int64_t>& sizes) {
   const int64_t pieces = (pairs + cap - 1) / cap;
-  const int64_t size = (pairs + pieces - 1) / pieces;
-  return size >= 4 ? (size + 3) / 4 * 4 : size;
+  int64_t size = (pairs + pieces - 1) / pieces;
+  if (size >= 4) size = (size + 3) / 4 * 4;
+  for (int64_t p0 = 0; p0 < pairs; p0 += size) sizes.push_back(std::min(size, pairs - p0));
 }
 
-// The cap (most pairs per item) whose items finish first on nth threads that take them in order, each the next
-// item when free (as the attention loop does), at a cost per item of its pairs (a pair outside a tile of 4
-// costing half again as much) plus one pair's worth for reading the keys and values once more. Ties go to
-// the larger cap. Only the split depends on this, never a pair's arithmetic.
-inline int64_t attention_item_cap(const std::vector<int64_t>& group_pairs, int64_t nth) {
-  int64_t best_cap = 32;
+// The item sizes (pairs per item, groups in order) for the cap (most pairs per item) whose items finish first on
+// nth threads that take them in order, each the next item when free (as the attention loop does), at a cost per
+// item of its pairs (a pair outside a tile of 4 costing half again as much) plus one pair's worth for reading the
+// keys and values once more. Caps 32, 28, ..., 4, 3, 2, 1; ties go to the larger cap. Only the split depends on
+// this, never a pair's arithmetic.
+std::vector<int64_t> attention_split(const std::vector<int64_t>& group_pairs, int64_t nth) {
+  std::vector<int64_t> best, sizes;
   double best_time = INFINITY;
   std::vector<double> free_at(std::max<int64_t>(1, nth));
   for (int64_t cap = 32; cap >= 1; cap = cap > 4 ? cap - 4 : cap - 1) {
+    sizes.clear();
+    for (const int64_t pairs : group_pairs) append_attention_pieces(pairs, cap, sizes);
     std::fill(free_at.begin(), free_at.end(), 0.0);
-    for (const int64_t pairs : group_pairs) {
-      const int64_t piece = attention_piece_size(pairs, cap);
-      for (int64_t p0 = 0; p0 < pairs; p0 += piece) {
-        const int64_t n = std::min(piece, pairs - p0);
-        auto earliest = std::min_element(free_at.begin(), free_at.end());
-        *earliest += 1.0 + double(n / 4 * 4) + 1.5 * double(n % 4);
-      }
-    }
+    for (const int64_t n : sizes)
+      *std::min_element(free_at.begin(), free_at.end()) += 1.0 + double(n / 4 * 4) + 1.5 * double(n % 4);
     const double time = *std::max_element(free_at.begin(), free_at.end());
-    if (time < best_time - 1e-9) best_time = time, best_cap = cap;
+    if (time < best_time - 1e-9) best_time = time, best.swap(sizes);
   }
-  return best_cap;
-}
-
-// The item sizes (pairs per item, in item order) attention cuts these groups into on nth threads.
-std::vector<int64_t> attention_split(const std::vector<int64_t>& group_pairs, int64_t nth) {
-  const int64_t cap = attention_item_cap(group_pairs, std::max<int64_t>(1, nth));
-  std::vector<int64_t> sizes;
-  for (const int64_t pairs : group_pairs) {
-    const int64_t piece = attention_piece_size(pairs, cap);
-    for (int64_t p0 = 0; p0 < pairs; p0 += piece) sizes.push_back(std::min(piece, pairs - p0));
-  }
-  return sizes;
+  return best;
 }
 
 torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
@@ -1241,7 +1228,8 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
   std::vector<int64_t> group_pairs;  // pairs per (run, kv head), in item order
   for (int64_t r = 0; r < nruns; ++r)
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) group_pairs.push_back((run_start[r + 1] - run_start[r]) * group);
-  const int64_t cap = attention_item_cap(group_pairs, nth);
+  const std::vector<int64_t> item_pairs = attention_split(group_pairs, nth);  // pairs per item, in item order
+  size_t next_item = 0;
   // pairs in item order: run, kv head, rows of the run, heads of the group
   const int64_t npairs = int64_t(rows.size()) * Hq;
   std::vector<const float*> pq(npairs);
@@ -1271,9 +1259,10 @@ torch::Tensor attention(const torch::Tensor& q_in, const torch::Tensor& k_in, co
         }
       }
       const int64_t base = (slot * Hkv + kvh) * Lmax * D;
-      const int64_t piece = attention_piece_size(idx - first, cap);
-      for (int64_t p0 = first; p0 < idx; p0 += piece)
-        items.push_back({p0, std::min(piece, idx - p0), kp + base * esize, vp + base * esize});
+      for (int64_t p0 = first; p0 < idx; ++next_item) {
+        items.push_back({p0, item_pairs[next_item], kp + base * esize, vp + base * esize});
+        p0 += item_pairs[next_item];
+      }
     }
   }
   const int64_t lds = (maxn + 16 + 15) / 16 * 16;
