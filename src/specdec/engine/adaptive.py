@@ -38,6 +38,12 @@ from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence
 
 
+def _mean_weight(weight: float, earlier: int) -> float:
+    """Weight of a new value after `earlier` ones: a running mean (1 / (earlier + 1)) until that falls below
+    `weight`, then an EMA of that weight."""
+    return max(weight, 1 / (earlier + 1))
+
+
 @dataclass
 class AcceptanceEstimate:
     """Per-position EMA of conditional acceptance for one request."""
@@ -116,8 +122,8 @@ class AcceptanceEstimate:
             self.unobserved_full_steps.append(0)
         self.unobserved_full_steps[position] = 0
         for _ in range(count):
-            step_weight = max(self.weight, 1 / (self.observations[position] + 2))
-            self.alphas[position] += step_weight * (rate - self.alphas[position])
+            earlier = self.observations[position] + 1  # the starting estimate counts as one observation
+            self.alphas[position] += _mean_weight(self.weight, earlier) * (rate - self.alphas[position])
             self.observations[position] += 1
 
 
@@ -150,8 +156,8 @@ class PopulationPrior:
             while len(self.alphas) <= position:
                 self.alphas.append(deepest)
                 self.requests.append(0)
-            step_weight = max(self.weight, 1 / (self.requests[position] + 1))
-            self.alphas[position] += step_weight * (alpha - self.alphas[position])
+            earlier = self.requests[position]  # the fixed prior does not count
+            self.alphas[position] += _mean_weight(self.weight, earlier) * (alpha - self.alphas[position])
             self.requests[position] += 1
 
     def start(self, weight: float) -> AcceptanceEstimate:
