@@ -79,6 +79,15 @@ def test_question_directory_resumes_after_its_last_batch_and_refuses_other_setti
     (part / META_FILE).write_text(json.dumps({**meta, "done": 2}))
     assert write_self_instruct_questions(target, tokenizer, seeds, part, _spec(), batch_size=2).read_text() == \
         whole.read_text()
+    # a question already in the file (under any id) is not written again when a resumed run produces it
+    again = tmp_path / "again"
+    write_self_instruct_questions(target, tokenizer, seeds, again, _spec(), batch_size=2)
+    kept = [json.loads(row) for row in rows]
+    renamed = [{**row, "question_id": f"earlier-{i}"} for i, row in enumerate(kept)]
+    (again / QUESTIONS_FILE).write_text("".join(json.dumps(row) + "\n" for row in renamed))
+    (again / META_FILE).write_text(json.dumps({**meta, "done": 2}))
+    resumed = write_self_instruct_questions(target, tokenizer, seeds, again, _spec(), batch_size=2)
+    assert [json.loads(row) for row in resumed.read_text().splitlines()] == renamed
     with pytest.raises(ValueError, match=r"other settings \(temperature differ\)"):
         write_self_instruct_questions(target, tokenizer, seeds, part, _spec(temperature=0.7), batch_size=2)
     with pytest.raises(ValueError, match="at least one seed"):

@@ -117,16 +117,15 @@ def write_self_instruct_questions(target, tokenizer, seeds: Sequence[Question], 
     directory.mkdir(parents=True, exist_ok=True)
     done = _check_or_start(directory, spec)
     questions_path = directory / QUESTIONS_FILE
-    seen = {json.dumps(row, sort_keys=True) for row in _rows(questions_path)}
+    seen = {_content(row) for row in _rows(questions_path)}  # questions already kept, by content
+    prompts = [encode_chat(tokenizer, [{"role": "user", "content": request_message(seed)}]) for seed in seeds]
     engine = Engine(target, tokenizer, max_num_seqs=batch_size,
-                    max_model_len=max(len(encode_chat(tokenizer, [{"role": "user", "content": request_message(seed)}]))
-                                      for seed in seeds) + spec.max_tokens + 1)
+                    max_model_len=max(len(prompt) for prompt in prompts) + spec.max_tokens + 1)
     for start in range(done, spec.count, batch_size):
         indices = range(start, min(start + batch_size, spec.count))
         requests = []
         for index in indices:
-            seed = seeds[index % len(seeds)]
-            prompt = encode_chat(tokenizer, [{"role": "user", "content": request_message(seed)}])
+            seed, prompt = seeds[index % len(seeds)], prompts[index % len(seeds)]
             params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.max_tokens,
                                     seed=spec.seed * 1_000_003 + index)
             requests.append((index, seed, engine.add_request(prompt, params)))
@@ -135,10 +134,8 @@ def write_self_instruct_questions(target, tokenizer, seeds: Sequence[Question], 
         rows = []
         for index, seed, sequence in requests:
             row = question_row(seed, tokenizer.decode(sequence.output_token_ids, skip_special_tokens=True), index)
-            key = None if row is None else json.dumps({k: v for k, v in row.items() if k not in ("task_id", "question_id")},
-                                                      sort_keys=True)
-            if row is not None and key not in seen:
-                seen.add(key)
+            if row is not None and _content(row) not in seen:
+                seen.add(_content(row))
                 rows.append(row)
         with questions_path.open("a", encoding="utf-8") as file:
             file.writelines(json.dumps(row) + "\n" for row in rows)
@@ -147,6 +144,12 @@ def write_self_instruct_questions(target, tokenizer, seeds: Sequence[Question], 
             progress(indices.stop, spec.count)
     questions_path.touch()
     return questions_path
+
+
+def _content(row: dict) -> str:
+    """A question row without its id: what makes two questions the same."""
+    return json.dumps({key: value for key, value in row.items() if key not in ("task_id", "question_id")},
+                      sort_keys=True)
 
 
 def _rows(path: Path) -> list[dict]:
