@@ -45,6 +45,14 @@ def test_draft_from_branches_keeps_the_chain_in_token_ids():
     assert chain.token_ids == (1, 2, 3) and chain.tree is None
 
 
+def test_capped_draft_keeps_the_first_branch_and_cuts_the_other_nodes():
+    draft = Draft.from_branches([(1, 2, 3), (1, 4), (5, 6)])  # nodes 1 2 3 | 4 | 5 6
+    assert draft.capped(6) is draft and draft.capped(5).tree.token_ids == (1, 2, 3, 4, 5)
+    assert draft.capped(4).tree.token_ids == (1, 2, 3, 4)
+    for max_nodes in (3, 1, 0):  # never below the chain: a budget under k cuts trees, not the chain itself
+        assert draft.capped(max_nodes).tree is None and draft.capped(max_nodes).token_ids == (1, 2, 3)
+
+
 def test_draft_token_ids_must_be_the_tree_first_branch():
     with pytest.raises(ValueError, match=r"must be the first branch of Draft.tree, \(1, 2\)"):
         Draft(token_ids=(1, 4), tree=DraftTree((1, 2, 4), (-1, 0, 0)))

@@ -45,6 +45,13 @@ class Draft:
         chain = tree.first_branch()
         return cls(token_ids=chain, draft_probs=None, tree=None if tree.is_chain() else tree)
 
+    def capped(self, max_nodes: int) -> "Draft":
+        """This draft with its tree cut to max_nodes nodes (the first branch always stays: it is within k)."""
+        if self.tree is None or self.tree.num_nodes <= max_nodes:
+            return self
+        tree = self.tree.truncated(max(max_nodes, len(self.token_ids)))
+        return Draft(self.token_ids, self.draft_probs, None if tree.is_chain() else tree)
+
 
 class Drafter(ABC):
     """One instance serves a whole batch of requests, each identified by its request id."""

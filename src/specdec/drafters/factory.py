@@ -9,8 +9,23 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
 
 
+LOOKUP_METHODS = ("ngram", "suffix")  # drafters that read only the tokens: no model, no hidden states
+
+
 def build_drafter(config: SpeculativeConfig, target: Transformer, tokenizer: Tokenizer, weight_format: str,
                   max_model_len: int, max_num_seqs: int) -> Drafter:
+    if config.method in LOOKUP_METHODS:
+        return build_lookup_drafter(config)
+    if config.method == "draft_model":
+        return _build_draft_model(config, target, tokenizer, weight_format, max_model_len, max_num_seqs)
+    if config.method in ("eagle", "medusa"):
+        return build_head_drafter(config.method, config.model, target, max_model_len, max_num_seqs,
+                                  config.num_draft_branches, config.draft_tree_min_prob)
+    raise ValueError(f"speculative method {config.method!r} is not implemented yet")
+
+
+def build_lookup_drafter(config: SpeculativeConfig) -> Drafter:
+    """The drafter of a lookup method (ngram, suffix); any other method is an error."""
     if config.method == "ngram":
         from specdec.drafters.ngram import NgramDrafter
 
@@ -20,12 +35,7 @@ def build_drafter(config: SpeculativeConfig, target: Transformer, tokenizer: Tok
 
         return SuffixDrafter(config.suffix_max_depth, config.suffix_min_token_prob, config.suffix_cache_requests,
                              config.num_draft_branches)
-    if config.method == "draft_model":
-        return _build_draft_model(config, target, tokenizer, weight_format, max_model_len, max_num_seqs)
-    if config.method in ("eagle", "medusa"):
-        return build_head_drafter(config.method, config.model, target, max_model_len, max_num_seqs,
-                                  config.num_draft_branches, config.draft_tree_min_prob)
-    raise ValueError(f"speculative method {config.method!r} is not implemented yet")
+    raise ValueError(f"method {config.method!r} is not a lookup drafter ({', '.join(LOOKUP_METHODS)}): it needs a model")
 
 
 def _build_draft_model(config, target: Transformer, tokenizer: Tokenizer, weight_format: str,

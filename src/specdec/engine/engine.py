@@ -268,7 +268,7 @@ class Engine:
             budgets = [seq.max_draft_tokens(k) for seq, k in zip(speculating, lengths)]
             proposed = self.drafter.propose([seq.request_id for seq in speculating], budgets)
             node_budget = max(max(lengths), self.max_verify_tokens // len(seqs) - 1)
-            capped = [_cap_tree(draft, seq.max_draft_tokens(node_budget)) for seq, draft in zip(speculating, proposed)]
+            capped = [draft.capped(seq.max_draft_tokens(node_budget)) for seq, draft in zip(speculating, proposed)]
             drafts = dict(zip((seq.request_id for seq in speculating), self._weigh_trees(speculating, capped, planned_batch)))
         return _Proposal([drafts.get(seq.request_id, EMPTY_DRAFT) for seq in seqs],
                          sum(tokens for tokens, k in zip(catch_up, lengths) if k))
@@ -283,7 +283,7 @@ class Engine:
         verified = [len(d.token_ids) if w else len((tree or d).token_ids) for d, tree, w in zip(drafts, trees, weighed)]
         extra_worths = [tree.worths[len(d.token_ids):] if w else () for d, tree, w in zip(drafts, trees, weighed)]
         kept = self.draft_policy.tree_nodes(seqs, [len(d.token_ids) for d in drafts], verified, extra_worths, batch_size)
-        return [_cap_tree(d, len(d.token_ids) + n) if w else d for d, w, n in zip(drafts, weighed, kept)]
+        return [d.capped(len(d.token_ids) + n) if w else d for d, w, n in zip(drafts, weighed, kept)]
 
     def _planning_batch_size(self, decoding: int) -> int:
         """The batch size the draft policy plans for: the decoding sequences plus those about to join them
@@ -367,14 +367,6 @@ class Engine:
 def _verified_tree(seq: Sequence, draft: Draft) -> DraftTree | None:
     """The tree to verify for a sequence: greedy sequences only (trees are greedy-only), else None."""
     return draft.tree if seq.params.greedy and draft.tree is not None else None
-
-
-def _cap_tree(draft: Draft, max_nodes: int) -> Draft:
-    """The draft with its tree cut to max_nodes nodes (the first branch always fits: it is within k)."""
-    if draft.tree is None or draft.tree.num_nodes <= max_nodes:
-        return draft
-    tree = draft.tree.truncated(max(max_nodes, len(draft.token_ids)))
-    return Draft(draft.token_ids, draft.draft_probs, None if tree.is_chain() else tree)
 
 
 def _emitted_rows(result: VerifyResult | TreeVerifyResult, per_row: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,22 @@ def load_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer)
 
 
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer of a ``.gguf`` file or Hugging Face directory alone, without reading the weights."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        try:
+            return Tokenizer.from_hf_dir(path)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"{path}: cannot load the tokenizer: {error}") from error
+    if not path.is_file():
+        raise ModelLoadError(f"no such model file or directory: {path}")
+    try:
+        return Tokenizer.from_gguf(read_gguf_file(path).metadata)
+    except ValueError as error:
+        raise ModelLoadError(f"{path}: cannot build the tokenizer: {error}") from error
+
+
 @dataclass(frozen=True)
 class GGUFTensorInfo:
     name: str
