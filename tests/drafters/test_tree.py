@@ -21,6 +21,15 @@ def test_from_branches_node_budget_and_truncation():
     assert tree.truncated(3).is_chain() and tree.truncated(3).token_ids == (1, 2, 3)
 
 
+def test_accepted_path_follows_the_target_tokens_from_the_root():
+    tree = DraftTree.from_branches([(1, 2, 3), (1, 4, 7), (5,)])  # nodes: 1 2 3 | 4 7 | 5
+    answer = [1, 4, 7, 9]
+    assert tree.accepted_path(lambda node, depth: answer[depth]) == [0, 3, 4]
+    assert tree.accepted_path(lambda node, depth: 5 if node == -1 else 8) == [5]
+    assert tree.accepted_path(lambda node, depth: None) == []  # the target's tokens end here
+    assert tree.accepted_path(lambda node, depth: [1, 2][depth] if depth < 2 else None) == [0, 1]
+
+
 def test_chain_is_a_tree_of_one_branch():
     tree = DraftTree.from_branches([(7, 8, 9)])
     assert tree.is_chain() and tree.first_branch() == (7, 8, 9)

@@ -33,6 +33,7 @@ from specdec.bench.datasets import Question, load_questions
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.factory import build_lookup_drafter
+from specdec.drafters.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -77,22 +78,10 @@ class ReplayResult:
 
 
 def accepted_draft_tokens(draft: Draft, target_token_ids: list[int]) -> int:
-    """How many draft tokens greedy verification accepts: the longest draft path equal to the target's tokens."""
-    tree = draft.tree
-    if tree is None:
-        accepted = 0
-        for draft_token, target_token in zip(draft.token_ids, target_token_ids):
-            if draft_token != target_token:
-                break
-            accepted += 1
-        return accepted
-    node, accepted = -1, 0
-    while accepted < len(target_token_ids):
-        matching = [child for child in tree.children(node) if tree.token_ids[child] == target_token_ids[accepted]]
-        if not matching:
-            break
-        node, accepted = matching[0], accepted + 1
-    return accepted
+    """How many draft tokens greedy verification accepts, given the target's greedy tokens from here on (the
+    answer's rest: a walk that reaches its end stops there)."""
+    tree = draft.tree or DraftTree.from_branches([draft.token_ids])
+    return len(tree.accepted_path(lambda node, depth: target_token_ids[depth] if depth < len(target_token_ids) else None))
 
 
 def replay(config: SpeculativeConfig, cases: list[ReplayCase], categories: set[str] | None = None,

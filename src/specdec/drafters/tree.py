@@ -11,7 +11,7 @@ target's argmax (verify.tree.verify_greedy_tree). Sampled requests verify the fi
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -89,6 +89,18 @@ class DraftTree:
             nodes.append(node)
             node = self.parents[node]
         return nodes[::-1]
+
+    def accepted_path(self, next_token: Callable[[int, int], int | None]) -> list[int]:
+        """The nodes greedy verification accepts, in depth order: from the root, the child whose token is
+        next_token(node, depth), the target's token after `node` (-1: the last committed token) with `depth`
+        nodes accepted so far; the walk ends where no child has that token (or next_token gives None)."""
+        child_by_token = {(parent, token_id): node for node, (parent, token_id) in enumerate(zip(self.parents, self.token_ids))}
+        path: list[int] = []
+        node = -1
+        while (token := next_token(node, len(path))) is not None and (child := child_by_token.get((node, token))) is not None:
+            path.append(child)
+            node = child
+        return path
 
     def children(self, node: int) -> list[int]:
         """Child nodes of `node` (-1 = the root), in node order."""

@@ -52,13 +52,9 @@ def verify_greedy_tree(tree: DraftTree, target_logits: torch.Tensor) -> TreeVeri
             f"target_logits must be [nodes + 1, vocab] = [{tree.num_nodes + 1}, vocab], got {tuple(target_logits.shape)}"
         )
     target_token_ids = greedy_tokens(target_logits).tolist()  # [nodes + 1]
-    child_by_token = {(parent, token_id): node for node, (parent, token_id) in enumerate(zip(tree.parents, tree.token_ids))}
-    has_children = {parent for parent in tree.parents}
-    path: list[int] = []
-    node = -1
-    while (next_node := child_by_token.get((node, target_token_ids[node + 1]))) is not None:
-        path.append(next_node)
-        node = next_node
+    path = tree.accepted_path(lambda node, depth: target_token_ids[node + 1])
+    node = path[-1] if path else -1
+    has_children = set(tree.parents)
     tokens = (*(tree.token_ids[n] for n in path), target_token_ids[node + 1])
     depth = max(tree.depths(), default=-1) + 1
     return TreeVerifyResult(tuple(path), depth, tokens, bonus=node not in has_children)
