@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.kernels import kv_write
 from specdec.models.config import ModelConfig
 
 
@@ -48,8 +49,7 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """slots, positions [tokens]; keys, values [tokens, kv_heads, head_dim] fp32 (rounded to the cache dtype)."""
-        self.keys[layer][slots, :, positions] = keys.to(self.dtype)
-        self.values[layer][slots, :, positions] = values.to(self.dtype)
+        kv_write(self.keys[layer], self.values[layer], slots, positions, keys, values)
 
     def compact(self, slot: int, src_positions: list[int], dst_positions: list[int]) -> None:
         """Copies the keys/values at src_positions to dst_positions of one slot, in every layer.

@@ -264,8 +264,16 @@ class QuantizedWeight:
             qw[full] = tiles[r // NR, :, r % NR, :].reshape(-1, kp)
         if not bool(full.all()):
             qw[~full] = self.qweight[rows[~full]]
-        inv = _unpack_index(self.in_padded, qw.device)[: self.in_features]
-        return (qw.index_select(1, inv).to(torch.int16) - 128).to(torch.int8)
+        return (qw.index_select(1, self.unpack_index()).to(torch.int16) - 128).to(torch.int8)
+
+    def unpack_index(self) -> torch.Tensor:
+        """[in_features] int64: the packed column of every natural column (cached per device)."""
+        key = ("unpack", self.qweight.device)
+        index = self._cache.get(key)
+        if index is None:
+            index = _unpack_index(self.in_padded, self.qweight.device)[: self.in_features].contiguous()
+            self._cache[key] = index
+        return index
 
     def _scales(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Per-element fp32 scales [N (or len(rows)), in_features]."""
@@ -414,10 +422,33 @@ def _attention_torch(q, k_cache, v_cache, slots, key_start, key_end, scale, extr
 
 
 def embedding(token_ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """[n] token ids -> [n, in_features] fp32 dequantized rows."""
+    """[n] token ids -> [n, in_features] fp32 dequantized rows (q * scale, exact as in ``dequantize``).
+
+    On the CPU one kernel call gathers and dequantizes the rows (``embedding_rows``); the torch expression (CUDA,
+    no extension) takes ~15 indexing ops, 0.4 ms of a 12 ms Gemma decode step."""
     ids = token_ids.reshape(-1).to(device=weight.qweight.device, dtype=torch.long)
+    if weight.qweight.is_cpu:
+        ext = _load()
+        if ext is not None:
+            rows = ext.embedding_rows(weight.qweight, weight.scale, ids, weight.unpack_index())
+            return rows.view(*token_ids.shape, weight.in_features)
     rows = weight.int8(ids).to(torch.float32) * weight._scales(ids)
     return rows.view(*token_ids.shape, weight.in_features)
+
+
+def kv_write(key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+             keys: torch.Tensor, values: torch.Tensor) -> None:
+    """key_cache, value_cache [slots, kv_heads, max_len, head_dim] fp32 or fp16; slots, positions [n];
+    keys, values [n, kv_heads, head_dim]: cache[slots[i], :, positions[i]] = keys[i] rounded to the cache dtype
+    (to nearest even, as ``tensor.to(torch.float16)``). One kernel call on the CPU instead of two indexed
+    assignments (13 µs per layer, whatever the rows)."""
+    if key_cache.is_cpu and not _needs_grad(keys, values):
+        ext = _load()
+        if ext is not None:
+            ext.kv_write(key_cache, value_cache, slots, positions, keys, values)
+            return
+    key_cache[slots, :, positions] = keys.to(key_cache.dtype)
+    value_cache[slots, :, positions] = values.to(value_cache.dtype)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

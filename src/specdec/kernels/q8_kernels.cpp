@@ -1470,6 +1470,112 @@ torch::Tensor argmax_rows(const torch::Tensor& x_in) {
   return out;
 }
 
+// Rows of a q8 weight as an embedding table: out[i, j] = (qweight byte of (ids[i], j) - 128) * scale[ids[i], j / 32]
+// in fp32 (one rounding, the product QuantizedWeight.int8() * _scales() computes). unpack[j] is the packed
+// column of natural column j; rows in tiles of 4 are chunk-interleaved (QuantizedWeight's layout), the last N % 4
+// rows are plain.
+torch::Tensor embedding_rows(const torch::Tensor& qweight, const torch::Tensor& wscale, const torch::Tensor& ids_in,
+                             const torch::Tensor& unpack_in) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "embedding_rows: qweight must be contiguous uint8 [N, Kp]");
+  const int64_t N = qweight.size(0), Kp = qweight.size(1);
+  TORCH_CHECK(Kp % kChunk == 0, "embedding_rows: bad padded width ", Kp);
+  TORCH_CHECK(wscale.scalar_type() == at::kHalf && wscale.is_contiguous() && wscale.dim() == 2 &&
+                  wscale.size(0) == N && wscale.size(1) == Kp / 32,
+              "embedding_rows: scale must be contiguous fp16 [N, Kp/32]");
+  const torch::Tensor ids = ids_in.to(at::kLong).contiguous().reshape({-1});
+  const torch::Tensor unpack = unpack_in.to(at::kLong).contiguous();
+  const int64_t n = ids.numel(), K = unpack.numel();
+  TORCH_CHECK(K <= Kp, "embedding_rows: ", K, " columns but the weight has ", Kp);
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  const int64_t* up = unpack.data_ptr<int64_t>();
+  for (int64_t j = 0; j < K; ++j) TORCH_CHECK(up[j] >= 0 && up[j] < Kp, "embedding_rows: unpack index out of range");
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "embedding_rows: token id ", idp[i], " out of range [0, ", N, ")");
+  torch::Tensor out = torch::empty({n, K}, qweight.options().dtype(at::kFloat));
+  const uint8_t* W = qweight.data_ptr<uint8_t>();
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
+  float* op = out.data_ptr<float>();
+  const int64_t nfull = N / 4 * 4;
+  // byte (r, p) of a tiled row: W[(r / 4) * 4 * Kp + (r % 4) * 64 + in_tile[j]], with p = unpack[j]
+  std::vector<int64_t> in_tile(K);
+  for (int64_t j = 0; j < K; ++j) in_tile[j] = (up[j] / kChunk) * 4 * kChunk + up[j] % kChunk;
+  parallel_rows(n, n * K, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = idp[i];
+      const uint16_t* row_scales = ws + r * (Kp / 32);
+      const bool tiled = r < nfull;
+      const uint8_t* base = tiled ? W + (r / 4) * 4 * Kp + (r % 4) * kChunk : W + r * Kp;
+      const int64_t* offsets = tiled ? in_tile.data() : up;
+      float* dst = op + i * K;
+      for (int64_t j = 0; j < K; ++j)
+        dst[j] = static_cast<float>(static_cast<int>(base[offsets[j]]) - 128) * half_to_float(row_scales[j / 32]);
+    }
+  });
+  return out;
+}
+
+#ifdef SPECDEC_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,f16c")
+// n fp32 values -> fp16 with round to nearest even (vcvtps2ph), 16 at a time; the tail as c10::Half does it
+void floats_to_halves_avx(const float* src, int64_t n, uint16_t* dst) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; j < n; ++j) dst[j] = c10::Half(src[j]).x;
+}
+#pragma GCC pop_options
+#endif
+
+// Writes keys/values [n, Hkv, D] fp32 at (slots[i], positions[i]) of the caches [S, Hkv, L, D] (fp32, or fp16
+// rounded to nearest even as tensor.to(torch.float16) does): KVCache.write without torch's indexing machinery.
+void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots_in,
+              const torch::Tensor& positions_in, const torch::Tensor& keys_in, const torch::Tensor& values_in) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "kv_write: caches must be contiguous [S, Hkv, L, D], both fp32 or both fp16");
+  const int64_t S = k_cache.size(0), H = k_cache.size(1), L = k_cache.size(2), D = k_cache.size(3);
+  const torch::Tensor slots = slots_in.to(at::kLong).contiguous(), positions = positions_in.to(at::kLong).contiguous();
+  const int64_t n = slots.numel();
+  TORCH_CHECK(positions.numel() == n, "kv_write: ", n, " slots but ", positions.numel(), " positions");
+  TORCH_CHECK(keys_in.dim() == 3 && keys_in.size(0) == n && keys_in.size(1) == H && keys_in.size(2) == D &&
+                  keys_in.sizes() == values_in.sizes(),
+              "kv_write: keys and values must be [", n, ", ", H, ", ", D, "]");
+  const torch::Tensor keys = keys_in.to(at::kFloat).contiguous(), values = values_in.to(at::kFloat).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < S && pp[i] >= 0 && pp[i] < L, "kv_write: (slot, position) (", sp[i], ", ",
+                pp[i], ") outside the cache's [", S, ", ", L, ")");
+  const bool half = k_cache.scalar_type() == at::kHalf;
+  const bool avx = use_avx();
+  for (int w = 0; w < 2; ++w) {
+    const float* src = (w == 0 ? keys : values).data_ptr<float>();
+    torch::Tensor& cache = w == 0 ? k_cache : v_cache;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        const float* row = src + (i * H + h) * D;
+        const int64_t at = ((sp[i] * H + h) * L + pp[i]) * D;
+        if (!half) {
+          std::memcpy(cache.data_ptr<float>() + at, row, size_t(D) * sizeof(float));
+          continue;
+        }
+        uint16_t* dst = reinterpret_cast<uint16_t*>(cache.data_ptr<at::Half>()) + at;
+#ifdef SPECDEC_X86
+        if (avx) {
+          floats_to_halves_avx(row, D, dst);
+          continue;
+        }
+#endif
+        for (int64_t d = 0; d < D; ++d) dst[d] = c10::Half(row[d]).x;
+      }
+  }
+  (void)avx;
+}
+
 void set_force_scalar(bool v) { g_force_scalar = v; }
 
 // how many distinct threads at::parallel_for hands n single-item chunks to (a build without OpenMP: 1)
@@ -1496,6 +1602,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "row-wise RMS norm (row invariant)");
   m.def("qk_norm_rope", &qk_norm_rope, "split q/k from fused qkv, optional QK-norm, rotate-half RoPE");
   m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate_up projection (elementwise)");
+  m.def("embedding_rows", &embedding_rows, "dequantized rows of a q8 weight (an embedding lookup)");
+  m.def("kv_write", &kv_write, "write keys/values at (slot, position) of fp32 or fp16 caches");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, the first index of the maximum (torch.argmax's rule)");
   m.def("set_force_scalar", &set_force_scalar);
   m.def("parallel_threads", &parallel_threads, "distinct threads at::parallel_for uses for n items");
