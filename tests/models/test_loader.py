@@ -12,7 +12,8 @@ import torch
 
 from specdec.models import loader
 from specdec.models.catalog import models_dir
-from specdec.models.loader import ModelLoadError, load_checkpoint, load_gguf, load_hf_dir, read_gguf_file
+from specdec.models.loader import (ModelLoadError, load_checkpoint, load_gguf, load_hf_dir, load_tokenizer,
+                                   read_gguf_file)
 from tiny_models import write_tiny_tokenizer
 
 
@@ -258,6 +259,16 @@ def test_missing_path(tmp_path) -> None:
         load_checkpoint(tmp_path / "absent.gguf")
     with pytest.raises(ModelLoadError, match="no such GGUF file"):
         load_gguf(tmp_path / "absent.gguf")
+    with pytest.raises(ModelLoadError, match="no such GGUF file"):
+        load_tokenizer(tmp_path / "absent.gguf")
+
+
+def test_load_tokenizer_is_the_checkpoints_tokenizer_without_the_weights(tiny_model_dir) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    text = "def add(a, b):\n    return a + b  # ünïcode"
+    assert tokenizer.encode(text) == load_hf_dir(tiny_model_dir).tokenizer.encode(text)
+    gguf = real_model_path("smollm2-135m-instruct")
+    assert load_tokenizer(gguf).encode(text) == load_gguf(gguf).tokenizer.encode(text)
 
 
 def test_random_bytes(tmp_path) -> None:

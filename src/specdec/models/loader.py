@@ -92,10 +92,7 @@ def load_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     metadata = _GGUFMetadata(gguf_file.metadata, path)
     config = _gguf_config(metadata, gguf_file.tensors, path)
     _check_gguf_quant_types(gguf_file.tensors, path)
-    try:
-        tokenizer = Tokenizer.from_gguf(gguf_file.metadata)
-    except ValueError as error:
-        raise ModelLoadError(f"{path}: cannot build the tokenizer: {error}") from error
+    tokenizer = _gguf_tokenizer(gguf_file.metadata, path)
     tensors = _load_gguf_tensors(gguf_file, config, path)
     _check_tensor_set(tensors, config, path)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer)
@@ -105,16 +102,22 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer of a ``.gguf`` file or Hugging Face directory alone, without reading the weights."""
     path = Path(path).expanduser()
     if path.is_dir():
-        try:
-            return Tokenizer.from_hf_dir(path)
-        except (OSError, ValueError) as error:
-            raise ModelLoadError(f"{path}: cannot load the tokenizer: {error}") from error
-    if not path.is_file():
-        raise ModelLoadError(f"no such model file or directory: {path}")
+        return _hf_tokenizer(path)
+    return _gguf_tokenizer(read_gguf_file(path).metadata, path)
+
+
+def _gguf_tokenizer(metadata, path: Path) -> Tokenizer:
     try:
-        return Tokenizer.from_gguf(read_gguf_file(path).metadata)
+        return Tokenizer.from_gguf(metadata)
     except ValueError as error:
         raise ModelLoadError(f"{path}: cannot build the tokenizer: {error}") from error
+
+
+def _hf_tokenizer(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_hf_dir(path)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer: {error}") from error
 
 
 @dataclass(frozen=True)
@@ -668,11 +671,7 @@ def load_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
     raw = _read_safetensors(path)
     tensors = _canonical_hf_tensors(raw, config, path)
     _check_tensor_set(tensors, config, path)
-    try:
-        tokenizer = Tokenizer.from_hf_dir(path)
-    except (OSError, ValueError) as error:
-        raise ModelLoadError(f"{path}: cannot load the tokenizer: {error}") from error
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer)
+    return Checkpoint(config=config, tensors=tensors, tokenizer=_hf_tokenizer(path))
 
 
 def _hf_config(hf: dict[str, Any], path: Path) -> ModelConfig:
