@@ -14,6 +14,7 @@ USER_DEFINED ones are matched whole but are not special.
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping
 from datetime import datetime
@@ -390,7 +391,10 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+@functools.lru_cache(maxsize=16)
 def _compile_template(source: str):
+    """The sandboxed jinja2 template of a chat template source, compiled once per source (1–3 ms each; rendering
+    a compiled template is thread-safe)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
