@@ -27,6 +27,25 @@ def test_rms_norm_matches_torch_and_is_row_invariant(dim):
     assert torch.equal(ops.rms_norm(hidden.view(3, 3, dim), weight, 1e-6), out.view(3, 3, dim))
 
 
+@pytest.mark.parametrize("dim", [640, 576, 40, 7, 256])
+def test_rms_norm_simd_and_scalar_paths_give_the_same_bits(dim):
+    generator = _generator(dim + 1)
+    hidden = torch.randn(5, dim, generator=generator) * 30.0  # [rows, dim]
+    weight = torch.randn(dim, generator=generator)
+    simd = ops.rms_norm(hidden, weight, 1e-6)
+    qkv, positions, cos, sin = _qkv_case(4, 1, 40 if dim == 40 else 64, seed=dim)
+    shape = ops.QKNormRope(4, 1, qkv.shape[1] // 6, 1e-6)
+    norms = (torch.rand(shape.head_dim) + 0.5, torch.rand(shape.head_dim) + 0.5)
+    simd_qk = ops.qk_norm_rope(qkv, shape, *norms, cos, sin, positions)
+    ops._set_force_scalar(True)
+    try:
+        assert torch.equal(ops.rms_norm(hidden, weight, 1e-6), simd)
+        scalar_qk = ops.qk_norm_rope(qkv, shape, *norms, cos, sin, positions)
+        assert all(torch.equal(a, b) for a, b in zip(scalar_qk, simd_qk))
+    finally:
+        ops._set_force_scalar(False)
+
+
 def test_rms_norm_rejects_a_weight_of_the_wrong_size():
     with pytest.raises(RuntimeError, match="weight must be"):
         ops.rms_norm(torch.randn(2, 64), torch.randn(32), 1e-6)

@@ -1319,6 +1319,50 @@ inline void rms_norm_row(const float* x, const float* w, int64_t D, float eps, f
   for (int64_t j = 0; j < D; ++j) out[j] = (x[j] * r) * w[j];
 }
 
+#ifdef SPECDEC_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+// rms_norm_row's operations 16 lanes at a time: lane l sums the squares of elements l, l + 16, ... (square, then
+// add: the build does not contract them), the tail under a mask that leaves the other lanes as they are, then the
+// same hsum16 tree and scalar rsqrt; out = (x * r) * w element by element.
+void rms_norm_row_avx(const float* x, const float* w, int64_t D, float eps, float* out) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j0 = 0;
+  for (; j0 + 16 <= D; j0 += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j0);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  const __mmask16 tail = static_cast<__mmask16>((1u << (D - j0)) - 1u);
+  if (j0 < D) {
+    const __m512 v = _mm512_maskz_loadu_ps(tail, x + j0);
+    acc = _mm512_mask_add_ps(acc, tail, acc, _mm512_mul_ps(v, v));
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc);
+  const float mean = hsum16_scalar(lanes) / static_cast<float>(D);
+  const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
+  for (j0 = 0; j0 + 16 <= D; j0 += 16)
+    _mm512_storeu_ps(out + j0, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j0), r), _mm512_loadu_ps(w + j0)));
+  if (j0 < D)
+    _mm512_mask_storeu_ps(out + j0, tail,
+                          _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, x + j0), r),
+                                        _mm512_maskz_loadu_ps(tail, w + j0)));
+}
+#pragma GCC pop_options
+#endif
+
+// rms_norm_row on the SIMD path when avx, else the scalar one (the same bits).
+inline void rms_norm_row_any(bool avx, const float* x, const float* w, int64_t D, float eps, float* out) {
+#ifdef SPECDEC_X86
+  if (avx) {
+    rms_norm_row_avx(x, w, D, eps, out);
+    return;
+  }
+#endif
+  (void)avx;
+  rms_norm_row(x, w, D, eps, out);
+}
+
 // Rotate-half RoPE of one head row: out = x * cos + rotate_half(x) * sin (products rounded
 // separately, as torch computes it).
 inline void rope_row(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
@@ -1339,8 +1383,9 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, dou
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
+  const bool avx = use_avx();
   parallel_rows(R, R * D, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * D, wp, D, e, op + r * D);
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row_any(avx, xp + r * D, wp, D, e, op + r * D);
   });
   return out;
 }
@@ -1375,6 +1420,7 @@ std::vector<torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, int64_t H, int
   const float* src = qkv.data_ptr<float>();
   const int64_t lds = qkv.stride(0);
   const float e = static_cast<float>(eps);
+  const bool avx = use_avx();
   parallel_rows(T, T * (H + Hkv) * D, [&](int64_t t0, int64_t t1) {
     std::vector<float> normed(D);
     for (int64_t t = t0; t < t1; ++t) {
@@ -1384,7 +1430,7 @@ std::vector<torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, int64_t H, int
         const float* x = src + t * lds + h * D;
         const bool is_q = h < H;
         if (qn.defined()) {
-          rms_norm_row(x, (is_q ? qn : kn).data_ptr<float>(), D, e, normed.data());
+          rms_norm_row_any(avx, x, (is_q ? qn : kn).data_ptr<float>(), D, e, normed.data());
           x = normed.data();
         }
         float* out = is_q ? query.data_ptr<float>() + (t * H + h) * D : key.data_ptr<float>() + (t * Hkv + h - H) * D;
