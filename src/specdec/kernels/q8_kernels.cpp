@@ -1561,16 +1561,21 @@ torch::Tensor embedding_rows(const torch::Tensor& qweight, const torch::Tensor& 
   return out;
 }
 
+// n fp32 values -> fp16 bits, rounded to nearest even (c10::Half, as tensor.to(torch.float16))
+inline void floats_to_halves_scalar(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = c10::Half(src[j]).x;
+}
+
 #ifdef SPECDEC_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,f16c")
-// n fp32 values -> fp16 with round to nearest even (vcvtps2ph), 16 at a time; the tail as c10::Half does it
+// floats_to_halves_scalar 16 at a time (vcvtps2ph rounds to nearest even too); the tail on the scalar path
 void floats_to_halves_avx(const float* src, int64_t n, uint16_t* dst) {
   int64_t j = 0;
   for (; j + 16 <= n; j += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
                         _mm512_cvtps_ph(_mm512_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  for (; j < n; ++j) dst[j] = c10::Half(src[j]).x;
+  floats_to_halves_scalar(src + j, n - j, dst + j);
 }
 #pragma GCC pop_options
 #endif
@@ -1600,23 +1605,23 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor&
   const bool avx = use_avx();
   for (int w = 0; w < 2; ++w) {
     const float* src = (w == 0 ? keys : values).data_ptr<float>();
-    torch::Tensor& cache = w == 0 ? k_cache : v_cache;
+    void* base = (w == 0 ? k_cache : v_cache).data_ptr();  // element (s, h, p, 0) at ((s * H + h) * L + p) * D
     for (int64_t i = 0; i < n; ++i)
       for (int64_t h = 0; h < H; ++h) {
         const float* row = src + (i * H + h) * D;
         const int64_t at = ((sp[i] * H + h) * L + pp[i]) * D;
         if (!half) {
-          std::memcpy(cache.data_ptr<float>() + at, row, size_t(D) * sizeof(float));
+          std::memcpy(static_cast<float*>(base) + at, row, size_t(D) * sizeof(float));
           continue;
         }
-        uint16_t* dst = reinterpret_cast<uint16_t*>(cache.data_ptr<at::Half>()) + at;
+        uint16_t* dst = static_cast<uint16_t*>(base) + at;
 #ifdef SPECDEC_X86
         if (avx) {
           floats_to_halves_avx(row, D, dst);
           continue;
         }
 #endif
-        for (int64_t d = 0; d < D; ++d) dst[d] = c10::Half(row[d]).x;
+        floats_to_halves_scalar(row, D, dst);
       }
   }
   (void)avx;
