@@ -12,11 +12,12 @@ def scalar(request):
     ops._set_force_scalar(False)
 
 
-@pytest.mark.parametrize("rows,features", [(9, 640), (7, 576), (5, 1536), (4, 40), (3, 2048)])
-def test_embedding_equals_the_dequantized_rows(rows, features):
+@pytest.mark.parametrize("layout", ops.Q8_LAYOUTS)
+@pytest.mark.parametrize("rows,features", [(9, 640), (7, 576), (5, 1536), (4, 40), (3, 2048), (37, 96)])
+def test_embedding_equals_the_dequantized_rows(rows, features, layout):
     generator = torch.Generator().manual_seed(rows * features)
     weight = QuantizedWeight.from_int8(torch.randint(-127, 128, (rows, features), generator=generator, dtype=torch.int8),
-                                       torch.rand(rows, -(-features // 32), generator=generator) * 0.1)
+                                       torch.rand(rows, -(-features // 32), generator=generator) * 0.1, layout)
     ids = torch.tensor([rows - 1, 0, 3 % rows, rows - 1, 1 % rows])  # tiled rows and the plain last N % 4 rows
     expected = weight.int8(ids).to(torch.float32) * weight._scales(ids)  # the torch expression
     got = ops.embedding(ids, weight)
@@ -25,8 +26,9 @@ def test_embedding_equals_the_dequantized_rows(rows, features):
     assert torch.equal(ops.embedding(torch.arange(rows), weight), weight.dequantize())
 
 
-def test_embedding_rejects_token_ids_outside_the_table():
-    weight = QuantizedWeight.from_int8(torch.zeros(6, 64, dtype=torch.int8), torch.ones(6, 2))
+@pytest.mark.parametrize("layout", ops.Q8_LAYOUTS)
+def test_embedding_rejects_token_ids_outside_the_table(layout):
+    weight = QuantizedWeight.from_int8(torch.zeros(6, 64, dtype=torch.int8), torch.ones(6, 2), layout)
     with pytest.raises(RuntimeError, match=r"token id 6 out of range \[0, 6\)"):
         ops.embedding(torch.tensor([1, 6]), weight)
     with pytest.raises(RuntimeError, match="token id -1 out of range"):

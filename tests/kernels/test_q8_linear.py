@@ -1,4 +1,6 @@
-"""q8_linear: bitwise row invariance, thread invariance, accuracy bounds (per-block fp16 weight scales)."""
+"""q8_linear: bitwise row invariance, thread invariance, accuracy bounds (per-block fp16 weight scales), for both
+weight layouts ("vnni": 4-row tiles for AVX-512 VNNI; "amx": 16-row tiles for AMX-INT8, run by the portable scalar
+path on a CPU without AMX)."""
 
 import pytest
 import torch
@@ -22,6 +24,11 @@ def threads(request):
     torch.set_num_threads(old)
 
 
+@pytest.fixture(params=ops.Q8_LAYOUTS)
+def layout(request):
+    return request.param
+
+
 def _data(k, n, m=300, seed=0):
     g = torch.Generator().manual_seed(seed * 1000 + k + n)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -35,15 +42,15 @@ def _data(k, n, m=300, seed=0):
 
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_row_invariance(k, n, with_bias, threads):
+def test_row_invariance(k, n, with_bias, threads, layout):
     w, x, bias = _data(k, n)
-    qw = ops.quantize_weight(w)
+    qw = ops.quantize_weight(w, layout)
     b = bias if with_bias else None
     full = ops.q8_linear(x, qw, b)  # block of 300 rows
     assert full.shape == (300, n) and full.dtype == torch.float32
     alone = torch.cat([ops.q8_linear(x[r : r + 1], qw, b) for r in range(16)])
     assert torch.equal(alone, full[:16])
-    for m in range(2, 17):
+    for m in [*range(2, 17), 17, 20, 33]:  # (amx: a block of 16 rows on the tiles, the rest on AVX-512 VNNI)
         assert torch.equal(ops.q8_linear(x[:m], qw, b), full[:m]), f"M={m}"
     assert torch.equal(ops.q8_linear(x[100:164], qw, b), full[100:164])  # block of 64
     # same rows next to different neighbours / at different positions
@@ -53,9 +60,9 @@ def test_row_invariance(k, n, with_bias, threads):
 
 
 @pytest.mark.parametrize("k,n", [(576, 37), (1536, 67), (8960, 22)])
-def test_thread_count_invariance(k, n):
+def test_thread_count_invariance(k, n, layout):
     w, x, bias = _data(k, n)
-    qw = ops.quantize_weight(w)
+    qw = ops.quantize_weight(w, layout)
     old = torch.get_num_threads()
     try:
         outs = []
@@ -98,9 +105,11 @@ def test_row_units_cover_the_padded_row_with_one_epilogue_per_unit():
 
 @pytest.mark.parametrize("k,n", [(100, 9), (576, 37), (640, 20), (768, 9), (896, 130), (960, 41), (2048, 64), (2624, 13),
                                  (4096, 24), (8960, 22)])
-def test_scalar_path_matches_simd(k, n):
+def test_scalar_path_matches_simd(k, n, layout):
+    if layout == "amx" and not ops.amx_available():
+        pytest.skip("this CPU has no AMX-INT8: the amx layout runs its scalar path only")
     w, x, bias = _data(k, n, m=20)
-    qw = ops.quantize_weight(w)
+    qw = ops.quantize_weight(w, layout)
     y = ops.q8_linear(x, qw, bias)
     ops._set_force_scalar(True)
     try:
@@ -121,9 +130,9 @@ def _act_scales(x, k):
 
 
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_accuracy_vs_fp32(k, n):
+def test_accuracy_vs_fp32(k, n, layout):
     w, x, bias = _data(k, n, m=64)
-    qw = ops.quantize_weight(w)
+    qw = ops.quantize_weight(w, layout)
     wd = qw.dequantize()
     y = ops.q8_linear(x, qw, bias)
     ref = x.double() @ wd.double().T + bias.double()
@@ -144,7 +153,7 @@ def _per_row_dequant(w):
 
 
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_accuracy_vs_original_weights(k, n):
+def test_accuracy_vs_original_weights(k, n, layout):
     """End-to-end error vs fp32 x @ w.T with the ORIGINAL weights (weight + activation quantization).
 
     Bound: relative Frobenius error < 0.7 % for K >= 512 and < 1.2 % for the tiny K=100 case
@@ -152,7 +161,7 @@ def test_accuracy_vs_original_weights(k, n):
     1.28 %; activation Q8_0 rounding alone: 0.30-0.43 %, K=100: 0.75 %).
     """
     w, x, bias = _data(k, n, m=64)
-    qw = ops.quantize_weight(w)
+    qw = ops.quantize_weight(w, layout)
     y = ops.q8_linear(x, qw, bias)
     ref = x.double() @ w.double().T + bias.double()
     rel = ((y.double() - ref).norm() / ref.norm()).item()
@@ -219,11 +228,18 @@ def test_fp16_scale_edge_cases():
 
 
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_quantize_round_trip(k, n):
+def test_quantize_round_trip(k, n, layout):
     w, _, _ = _data(k, n)
-    qw = ops.quantize_weight(w)
+    qw = ops.quantize_weight(w, layout)
     kp = -(-k // 64) * 64
-    assert qw.qweight.dtype == torch.uint8 and qw.qweight.shape == (n, kp)
+    assert qw.layout == layout and qw.out_features == n
+    if layout == "vnni":
+        assert qw.qweight.dtype == torch.uint8 and qw.qweight.shape == (n, kp) and qw.tile_scale is None
+    else:
+        n16 = -(-n // 16) * 16
+        assert qw.qweight.dtype == torch.int8 and qw.qweight.shape == (n16, kp)
+        assert qw.tile_scale.shape == (n16 // 16, kp // 32, 16)
+        assert torch.equal(qw.tile_scale.transpose(1, 2).reshape(n16, kp // 32)[:n], qw.scale)
     assert qw.in_features == k and qw.scale.shape == (n, kp // 32) and qw.scale.dtype == torch.float16
     nb = -(-k // 32)
     wp = torch.zeros(n, nb * 32)
@@ -239,18 +255,19 @@ def test_quantize_round_trip(k, n):
     q = qw.int8()
     assert int(q.abs().max()) <= 127
     # natural int8 -> packed -> natural is the identity, and re-packing is identical
-    qw2 = ops.QuantizedWeight.from_int8(q, qw.scale[:, :nb].float())
+    qw2 = ops.QuantizedWeight.from_int8(q, qw.scale[:, :nb].float(), layout)
     assert torch.equal(qw2.qweight, qw.qweight) and torch.equal(qw2.scale, qw.scale)
+    assert torch.equal(q, ops.quantize_weight(w, "vnni").int8())  # the same values in both layouts
     assert torch.equal(qw2.dequantize(), wd)
     # embedding rows == dequantized rows
     ids = torch.tensor([0, n - 1, n // 2, 3, n - 1], dtype=torch.long) % n
     assert torch.equal(ops.embedding(ids, qw), wd[ids])
 
 
-def test_zero_weight_rows_and_leading_dims():
+def test_zero_weight_rows_and_leading_dims(layout):
     w = torch.randn(10, 96)
     w[3] = 0
-    qw = ops.quantize_weight(w)
+    qw = ops.quantize_weight(w, layout)
     x = torch.randn(2, 3, 96)
     y = ops.q8_linear(x, qw)
     assert y.shape == (2, 3, 10)
@@ -270,3 +287,25 @@ def test_compiled_kernels_are_available_on_this_machine():
     """The row-invariant CPU kernels are the default path; CI must build them, not fall back silently."""
     assert ops.kernels_available()
     assert ops.kernel_isa() in ("avx512vnni", "scalar")
+
+
+def test_the_layouts_differ_only_in_their_reduction_order():
+    """Same int8 values and scales, each layout's fixed order of additions: outputs agree to float rounding."""
+    w, x, bias = _data(1536, 67, m=24)
+    y_vnni = ops.q8_linear(x, ops.quantize_weight(w, "vnni"), bias)
+    y_amx = ops.q8_linear(x, ops.quantize_weight(w, "amx"), bias)
+    assert not torch.equal(y_vnni, y_amx)  # the orders do differ (so the exactness tests of each mean something)
+    assert torch.allclose(y_vnni, y_amx, rtol=1e-5, atol=1e-4 * float(y_vnni.abs().max()))
+
+
+def test_default_layout_follows_the_cpu_and_the_override(monkeypatch):
+    monkeypatch.delenv("SPECDEC_Q8_LAYOUT", raising=False)
+    assert ops.default_q8_layout() == ("amx" if ops.amx_available() else "vnni")
+    assert ops.quantize_weight(torch.randn(4, 64)).layout == ops.default_q8_layout()
+    monkeypatch.setenv("SPECDEC_Q8_LAYOUT", "vnni")
+    assert ops.quantize_weight(torch.randn(4, 64)).layout == "vnni"
+    monkeypatch.setenv("SPECDEC_Q8_LAYOUT", "tiles")
+    with pytest.raises(ValueError, match="SPECDEC_Q8_LAYOUT='tiles'"):
+        ops.quantize_weight(torch.randn(4, 64))
+    with pytest.raises(ValueError, match="unknown q8 layout 'avx'"):
+        ops.quantize_weight(torch.randn(4, 64), "avx")

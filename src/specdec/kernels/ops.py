@@ -4,8 +4,9 @@ The compiled extension (``q8_kernels.cpp``) is built lazily with
 ``torch.utils.cpp_extension.load`` on first use (or eagerly via
 :func:`build_kernels`) into ``$XDG_CACHE_HOME/specdec/kernels/<hash>``.
 
-Guarantees of the CPU kernel (AVX-512 VNNI or the portable scalar path, which
-performs the same operations lane by lane and is bitwise identical):
+Guarantees of the CPU kernel (AVX-512 VNNI, AMX-INT8 where the CPU has it, or the
+portable scalar path, which performs the same operations and is bitwise identical
+to the SIMD path of the same weight layout; see :func:`default_q8_layout`):
 
 * every output element is computed with a fixed reduction order that does not
   depend on the number of rows M, on the contents of the other rows, or on the
@@ -118,12 +119,15 @@ def kernel_isa() -> str:
 
 
 def kernel_build_id() -> str:
-    """Which kernels run: 'q8-<hash of source, torch version and flags>' of the extension this process loaded,
-    else 'torch' (fallback). Measured cost profiles are keyed by it, so a changed kernel is profiled again. It
-    names the loaded build, not the source on disk: a process that outlives an edit of the source must not file
-    what its old kernels measure under the new build's key."""
+    """Which kernels run: 'q8-<hash of source, torch version and flags>' of the extension this process loaded
+    (with '-amx' where weights are packed in the AMX layout), else 'torch' (fallback). Measured cost profiles are
+    keyed by it, so a changed kernel is profiled again. It names the loaded build, not the source on disk: a
+    process that outlives an edit of the source must not file what its old kernels measure under the new build's
+    key."""
     ext = _load()
-    return "torch" if ext is None else "q8-" + ext.__name__.removeprefix("specdec_q8_")
+    if ext is None:
+        return "torch"
+    return "q8-" + ext.__name__.removeprefix("specdec_q8_") + ("-amx" if default_q8_layout() == "amx" else "")
 
 
 def parallel_threads(n: int) -> int:
@@ -183,6 +187,40 @@ def _unpack_index(kp: int, device: torch.device = torch.device("cpu")) -> torch.
 
 
 NR = 4  # weight rows per kernel tile
+AMX_ROWS = 16  # output rows per AMX weight tile
+Q8_LAYOUTS = ("vnni", "amx")
+
+
+def amx_available() -> bool:
+    """True if this CPU has AMX-INT8 and the OS granted this process its tile state (needs the extension)."""
+    ext = _load()
+    return ext is not None and bool(ext.amx_available())
+
+
+def default_q8_layout() -> str:
+    """The weight layout `quantize_weight` packs for: "amx" where the CPU has AMX-INT8 (one tile instruction per
+    16 output rows and block of 32 inputs), else "vnni". ``SPECDEC_Q8_LAYOUT=vnni|amx`` overrides it (to compare
+    the two on one machine; "amx" without AMX runs the portable scalar path of that layout)."""
+    chosen = os.environ.get("SPECDEC_Q8_LAYOUT", "")
+    if chosen:
+        if chosen not in Q8_LAYOUTS:
+            raise ValueError(f"SPECDEC_Q8_LAYOUT={chosen!r}: choose one of {', '.join(Q8_LAYOUTS)}")
+        return chosen
+    return "amx" if amx_available() else "vnni"
+
+
+def _pack_amx(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Natural signed int8 q [N, Kp] and fp16 block scales [N, Kp/32] -> the AMX layout (see q8_kernels.cpp):
+    qweight int8 [Np, Kp] in memory order [Np/16][Kp/32 blocks][8][16 rows][4], tile_scale fp16 [Np/16, Kp/32, 16]."""
+    n, kp = q.shape
+    np_ = -(-n // AMX_ROWS) * AMX_ROWS
+    if np_ != n:
+        q = torch.cat([q, q.new_zeros(np_ - n, kp)])
+        scale = torch.cat([scale, scale.new_zeros(np_ - n, scale.shape[1])])
+    tiles, blocks = np_ // AMX_ROWS, kp // BLOCK
+    packed = q.view(tiles, AMX_ROWS, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(np_, kp)
+    tile_scale = scale.view(tiles, AMX_ROWS, blocks).transpose(1, 2).contiguous()
+    return packed, tile_scale
 
 
 def _tile(packed: torch.Tensor) -> torch.Tensor:
@@ -217,25 +255,40 @@ class QuantizedWeight:
     block of 32 input columns (natural block order; the same blocks as the Q8_0
     activation quantization); ``w[n, k] ~= q[n, k] * scale[n, k // 32]`` (the
     product is exact in fp32).  Padding blocks have scale 0.
+
+    ``layout`` "amx" (see :func:`default_q8_layout`): ``qweight`` is **int8** ``[N rounded up to 16, in_padded]``
+    holding q itself, one 512-byte AMX tile per 16 rows and block of 32 (see ``q8_kernels.cpp``), and
+    ``tile_scale`` ``[N/16, in_padded/32, 16]`` fp16 holds the same scales as ``scale`` in the kernel's order.
+    The two layouts reduce in different fixed orders, so their outputs differ in the last bits; each is row
+    invariant.
     """
 
     qweight: torch.Tensor
     scale: torch.Tensor
     in_features: int
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    layout: str = "vnni"
+    tile_scale: torch.Tensor | None = None
 
     @property
     def out_features(self) -> int:
-        return self.qweight.shape[0]
+        return self.scale.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward streams: the packed weight and the scales the kernel reads."""
+        scale = self.scale if self.tile_scale is None else self.tile_scale
+        return self.qweight.numel() * self.qweight.element_size() + scale.numel() * scale.element_size()
 
     @property
     def in_padded(self) -> int:
         return self.qweight.shape[1]
 
     @classmethod
-    def from_int8(cls, q: torch.Tensor, scale: torch.Tensor) -> "QuantizedWeight":
+    def from_int8(cls, q: torch.Tensor, scale: torch.Tensor, layout: str | None = None) -> "QuantizedWeight":
         """Pack natural-order int8 ``q`` [N, K] (values in [-127, 127]) and per-block scales
-        ``scale`` [N, ceil(K/32)] (or [N, Kp/32]; any float dtype, stored as fp16)."""
+        ``scale`` [N, ceil(K/32)] (or [N, Kp/32]; any float dtype, stored as fp16) in ``layout``
+        (default: :func:`default_q8_layout`)."""
         n, k = q.shape
         kp = -(-k // CHUNK) * CHUNK
         nb = -(-k // BLOCK)
@@ -243,14 +296,33 @@ class QuantizedWeight:
             raise ValueError(f"scale must be [{n}, {nb}] (one per row and block of {BLOCK}), got {tuple(scale.shape)}")
         sc = torch.zeros(n, kp // BLOCK, dtype=torch.float16, device=q.device)
         sc[:, :nb] = scale[:, :nb].to(device=q.device, dtype=torch.float16)
-        u8 = torch.full((n, kp), 128, dtype=torch.uint8, device=q.device)
-        u8[:, :k] = (q.to(torch.int16) + 128).to(torch.uint8)
-        idx = _pack_index(kp).to(q.device)
-        packed = _tile(u8.index_select(1, idx))
-        return cls(packed, sc, k)
+        natural = torch.zeros(n, kp, dtype=torch.int8, device=q.device)
+        natural[:, :k] = q
+        return cls._pack(natural, sc, k, layout)
+
+    @classmethod
+    def _pack(cls, natural: torch.Tensor, scale: torch.Tensor, in_features: int, layout: str | None) -> "QuantizedWeight":
+        """natural int8 [N, Kp] (zero padded), scale fp16 [N, Kp/32] -> the packed weight in layout."""
+        layout = layout or default_q8_layout()
+        if layout == "amx":
+            packed, tile_scale = _pack_amx(natural, scale)
+            return cls(packed, scale, in_features, layout="amx", tile_scale=tile_scale)
+        if layout != "vnni":
+            raise ValueError(f"unknown q8 layout {layout!r}; choose one of {', '.join(Q8_LAYOUTS)}")
+        u8 = (natural.to(torch.int16) + 128).to(torch.uint8)
+        packed = _tile(u8.index_select(1, _pack_index(natural.shape[1]).to(natural.device)))
+        return cls(packed, scale, in_features)
 
     def int8(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Natural-order signed weights [N (or len(rows)), in_features] int8."""
+        if self.layout == "amx":
+            if rows is None:
+                rows = torch.arange(self.out_features, device=self.qweight.device)
+            rows = rows.to(device=self.qweight.device, dtype=torch.long)
+            kp = self.in_padded
+            tiles = self.qweight.view(-1, kp // BLOCK, 8, AMX_ROWS, 4)
+            picked = tiles[rows // AMX_ROWS, :, :, rows % AMX_ROWS, :]  # [rows, blocks, 8, 4]
+            return picked.reshape(rows.numel(), kp)[:, : self.in_features]
         n, kp = self.qweight.shape
         nf = n // NR * NR
         if rows is None:
@@ -293,8 +365,9 @@ class QuantizedWeight:
         return w
 
 
-def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric int8 per row and block of 32 inputs with fp16 scales.
+def quantize_weight(weight: torch.Tensor, layout: str | None = None) -> QuantizedWeight:
+    """Symmetric int8 per row and block of 32 inputs with fp16 scales, packed in ``layout`` (default:
+    :func:`default_q8_layout`).
 
     The fp16 scale is chosen first: the nearest fp16 to amax/127, moved up one
     step if amax / scale would exceed 127 (so no value is clipped); then
@@ -308,7 +381,7 @@ def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
     kp = -(-k // CHUNK) * CHUNK
     nbp = kp // BLOCK
     scale = torch.zeros(n, nbp, dtype=torch.float16, device=w.device)
-    u8 = torch.full((n, kp), 128, dtype=torch.uint8, device=w.device)
+    natural = torch.zeros(n, kp, dtype=torch.int8, device=w.device)
     step = max(1, (1 << 24) // max(1, kp))  # bound the fp32 temporaries
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -324,11 +397,9 @@ def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
         s = s16.to(torch.float32)
         safe = torch.where(s > 0, s, torch.ones_like(s))
         q = torch.round(wb / safe[:, :, None]).clamp_(-127, 127).view(r1 - r0, kp)
-        u8[r0:r1, :k] = (q[:, :k] + 128).to(torch.uint8)
+        natural[r0:r1, :k] = q[:, :k].to(torch.int8)
         scale[r0:r1] = s16
-    idx = _pack_index(kp).to(w.device)
-    packed = _tile(u8.index_select(1, idx))
-    return QuantizedWeight(packed, scale, k)
+    return QuantizedWeight._pack(natural, scale, k, layout)
 
 
 # --------------------------------------------------------------------------- ops
@@ -343,11 +414,13 @@ def q8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
     if x.is_cpu:
         ext = _load()
         if ext is not None:
-            if x.dim() == 2:
-                return ext.q8_linear(x, weight.qweight, weight.scale, bias, weight.in_features)
-            shape = x.shape
-            y = ext.q8_linear(x.reshape(-1, shape[-1]), weight.qweight, weight.scale, bias, weight.in_features)
-            return y.view(*shape[:-1], y.shape[-1])
+            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            if weight.layout == "amx":
+                y = ext.q8_linear_amx(rows, weight.qweight, weight.tile_scale, bias, weight.in_features,
+                                      weight.out_features)
+            else:
+                y = ext.q8_linear(rows, weight.qweight, weight.scale, bias, weight.in_features)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
     return _q8_linear_torch(x, weight, bias)
 
 
@@ -430,7 +503,10 @@ def embedding(token_ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     if weight.qweight.is_cpu:
         ext = _load()
         if ext is not None:
-            rows = ext.embedding_rows(weight.qweight, weight.scale, ids, weight.unpack_index())
+            if weight.layout == "amx":
+                rows = ext.embedding_rows_amx(weight.qweight, weight.scale, ids, weight.in_features)
+            else:
+                rows = ext.embedding_rows(weight.qweight, weight.scale, ids, weight.unpack_index())
             return rows.view(*token_ids.shape, weight.in_features)
     rows = weight.int8(ids).to(torch.float32) * weight._scales(ids)
     return rows.view(*token_ids.shape, weight.in_features)

@@ -30,6 +30,9 @@
 // y = hsum16(facc) (+ bias[n]), hsum16 a fixed tree.
 // The scalar path performs exactly the same operations lane by lane, so both
 // paths give bitwise identical results.
+//
+// A second weight layout, "amx" (16-row tiles for AMX-INT8, chosen where the CPU has it), has its own fixed
+// reduction order: see "int8 linear, AMX layout" below.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -47,7 +50,10 @@
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define SPECDEC_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -1627,6 +1633,393 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor&
   (void)avx;
 }
 
+// --------------------------------------------------------------------------
+// int8 linear, AMX layout ("amx"): the weights of 16 output rows and one block of 32 inputs form one AMX tile.
+//
+// qweight int8 [Np, Kp] (Np = N rounded up to 16, zero rows beyond N), memory order
+// [Np/16 row tiles][Kp/32 blocks][8 quads][16 rows][4 values]: the 512 bytes of (row tile t, block b) hold
+// w[16 t + r][32 b + 4 q + i] at q * 64 + r * 4 + i, which is the B operand of one TDPBSSD with K = 32.
+// tile_scale fp16 [Np/16, Kp/32, 16]: the block scales of the tile's 16 rows.
+// Activations are quantized per row and block of 32 exactly as for the other layout (quantize_unit_*), in
+// natural order: xq int8 [M, Kp], xs fp32 [M, Kp/32]. Every output is then
+//   fa = +0; for b = 0, 1, ...: fa = fma(float(dot_b), xs[m][b] * ws[n][b], fa);   y = fa (+ bias[n])
+// with dot_b the exact int32 dot product of block b (signed x signed: no offset to cancel). The order of the
+// blocks is fixed, so y does not depend on M, on the other rows or on the threads; the AMX path (one TDPBSSD
+// per block and tile of up to 16 activation rows, the epilogue over the 16 output rows of a zmm) and the scalar
+// path perform the same operations and give the same bits.
+
+constexpr int64_t kAmxRows = 16;    // output rows per weight tile
+constexpr int64_t kAmxTile = 512;   // bytes of one (row tile, block) weight tile
+#ifndef SPECDEC_AMX_PREFETCH
+#define SPECDEC_AMX_PREFETCH 4096
+#endif
+constexpr int64_t kAmxPrefetch = SPECDEC_AMX_PREFETCH;  // bytes ahead in the weight stream
+#ifndef SPECDEC_AMX_VNNI_ROWS
+#define SPECDEC_AMX_VNNI_ROWS 4
+#endif
+constexpr int kAmxVnniRows = SPECDEC_AMX_VNNI_ROWS;  // row blocks of at most this many rows skip the tiles
+
+bool cpu_has_amx() {
+#ifdef SPECDEC_X86
+  static const bool ok = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_max(0, nullptr) < 7) return false;
+    __cpuid_count(7, 0, eax, ebx, ecx, edx);
+    const bool tile = (edx >> 24) & 1, int8 = (edx >> 25) & 1;
+    if (!(tile && int8 && cpu_has_avx512vnni())) return false;
+    // Linux hands out the 8 KB tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without it
+    // the first tile instruction raises SIGILL. The permission is per process.
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+inline bool use_amx() { return !g_force_scalar && cpu_has_amx(); }
+
+// Quantize activation rows [m0, m1) into natural order: xq [M, Kp], block scales xs and sums xsum [M, Kp/32].
+void quantize_rows_natural(QuantizeUnit quantize_unit, const float* x, int64_t K, int64_t Kp, int64_t m0, int64_t m1,
+                           int8_t* xq, float* xs, int32_t* xsum) {
+  const int64_t NB = Kp / 32;
+  float d[16];
+  int32_t sum[16];
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t b0 = 0; b0 < NB; b0 += 16) {
+      const int nb = static_cast<int>(std::min<int64_t>(16, NB - b0));
+      quantize_unit(x + m * K, K, b0, nb, xq + m * Kp + b0 * 32, d, sum);
+      std::memcpy(xs + m * NB + b0, d, sizeof(float) * nb);
+      std::memcpy(xsum + m * NB + b0, sum, sizeof(int32_t) * nb);
+    }
+}
+
+// Output rows [n0, n1) x activation rows [m0, m1), scalar.
+void linear_amx_layout_scalar(const int8_t* W, const uint16_t* tscale, const int8_t* xq, const float* xs, int64_t Kp,
+                              const float* bias, float* y, int64_t N, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+  const int64_t NB = Kp / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t t = n / kAmxRows, r = n % kAmxRows;
+    for (int64_t m = m0; m < m1; ++m) {
+      float fa = 0.0f;
+      for (int64_t b = 0; b < NB; ++b) {
+        const int8_t* wt = W + (t * NB + b) * kAmxTile;
+        const int8_t* xb = xq + m * Kp + b * 32;
+        int32_t dot = 0;
+        for (int q = 0; q < 8; ++q)
+          for (int i = 0; i < 4; ++i) dot += int32_t(wt[q * 64 + r * 4 + i]) * int32_t(xb[q * 4 + i]);
+        const float s = xs[m * NB + b] * half_to_float(tscale[(t * NB + b) * kAmxRows + r]);
+        fa = std::fma(static_cast<float>(dot), s, fa);
+      }
+      if (bias) fa = fa + bias[n];
+      y[m * N + n] = fa;
+    }
+  }
+}
+
+}  // namespace
+
+#ifdef SPECDEC_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,avx2,f16c,amx-tile,amx-int8")
+namespace {
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+// Tiles: 0, 1 = C (mr x 16 int32) of two consecutive blocks; 2, 3 = A (mr activation rows x 32 bytes); 4, 5 = B.
+// (Four accumulator tiles in rotation, with the A and B tiles reused within the four blocks, measured 1.5x
+// slower.) The configuration is loaded only if the thread's current one differs (read back with sttilecfg, so
+// that a configuration another library loaded on this thread in between is never mistaken for ours); the tiles
+// stay configured after a call.
+inline void amx_configure(int mr) {
+  AmxConfig cfg;
+  for (int i = 0; i < 4; ++i) cfg.rows[i] = static_cast<uint8_t>(mr);
+  cfg.colsb[0] = cfg.colsb[1] = 64;
+  cfg.colsb[2] = cfg.colsb[3] = 32;
+  cfg.rows[4] = cfg.rows[5] = 8;
+  cfg.colsb[4] = cfg.colsb[5] = 64;
+  AmxConfig current;
+  _tile_storeconfig(&current);
+  if (std::memcmp(&current, &cfg, sizeof(cfg)) != 0) _tile_loadconfig(&cfg);
+}
+
+// y[m][16 t .. 16 t + 16) for the MR activation rows at xq (row stride Kp), row tile t.
+template <int MR>
+__attribute__((always_inline)) inline void amx_tile_rows(const int8_t* W, const uint16_t* tscale, const int8_t* xq,
+                                                         const float* xs, int64_t Kp, const float* bias, float* y,
+                                                         int64_t N, int64_t t) {
+  const int64_t NB = Kp / 32;
+  alignas(64) int32_t cbuf[2][kAmxRows * 16];
+  __m512 fa[MR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) fa[m] = _mm512_setzero_ps();
+  const int8_t* wt = W + t * NB * kAmxTile;
+  const uint16_t* st = tscale + t * NB * kAmxRows;
+  auto epilogue = [&](const int32_t* c, int64_t b) {
+    const __m512 wsv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + b * kAmxRows)));
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(xs[m * NB + b]), wsv);
+      fa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + m * 16)), s, fa[m]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= NB; b += 2) {
+    if (kAmxPrefetch > 0) {  // the weight stream, kAmxPrefetch bytes ahead (the hardware prefetcher alone: 15 % slower)
+      const char* pf = reinterpret_cast<const char*>(wt + b * kAmxTile) + kAmxPrefetch;
+#pragma GCC unroll 16
+      for (int line = 0; line < 16; ++line) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, xq + b * 32, Kp);
+    _tile_loadd(4, wt + b * kAmxTile, 64);
+    _tile_loadd(3, xq + (b + 1) * 32, Kp);
+    _tile_loadd(5, wt + (b + 1) * kAmxTile, 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbssd(1, 3, 5);
+    _tile_stored(0, cbuf[0], 64);
+    _tile_stored(1, cbuf[1], 64);
+    epilogue(cbuf[0], b);
+    epilogue(cbuf[1], b + 1);
+  }
+  if (b < NB) {
+    _tile_zero(0);
+    _tile_loadd(2, xq + b * 32, Kp);
+    _tile_loadd(4, wt + b * kAmxTile, 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_stored(0, cbuf[0], 64);
+    epilogue(cbuf[0], b);
+  }
+  const int64_t n0 = t * kAmxRows;
+  const int64_t valid = std::min<int64_t>(kAmxRows, N - n0);
+  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) {
+    const __m512 v = bias ? _mm512_add_ps(fa[m], bv) : fa[m];
+    _mm512_mask_storeu_ps(y + m * N + n0, mask, v);
+  }
+}
+
+// The same outputs as amx_tile_rows with AVX-512 VNNI instead of tiles, for one or two activation rows (where
+// the tile path's store and reload of every block's dots costs more than it saves). vpdpbusd multiplies unsigned
+// by signed bytes: the weights are flipped to w + 128 (xor 0x80) and the accumulator starts at -128 * sum(x of
+// the block), so each lane holds the exact int32 dot of its output row, as TDPBSSD gives it.
+template <int MR>
+__attribute__((always_inline)) inline void vnni_tile_rows(const int8_t* W, const uint16_t* tscale, const int8_t* xq,
+                                                          const float* xs, const int32_t* xsum, int64_t Kp,
+                                                          const float* bias, float* y, int64_t N, int64_t t) {
+  const int64_t NB = Kp / 32;
+  __m512 fa[MR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) fa[m] = _mm512_setzero_ps();
+  const int8_t* wt = W + t * NB * kAmxTile;
+  const uint16_t* st = tscale + t * NB * kAmxRows;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < NB; ++b) {
+    const int8_t* wb = wt + b * kAmxTile;
+    if (kAmxPrefetch > 0) {
+#pragma GCC unroll 8
+      for (int line = 0; line < 8; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb) + kAmxPrefetch + line * 64, _MM_HINT_T0);
+    }
+    __m512i acc[MR];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_set1_epi32(-128 * xsum[m * NB + b]);
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; ++q) {
+      const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(wb + q * 64), flip);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, xq + m * Kp + b * 32 + q * 4, 4);
+        acc[m] = _mm512_dpbusd_epi32(acc[m], w, _mm512_set1_epi32(quad));
+      }
+    }
+    const __m512 wsv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + b * kAmxRows)));
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(xs[m * NB + b]), wsv);
+      fa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, fa[m]);
+    }
+  }
+  const int64_t n0 = t * kAmxRows;
+  const int64_t valid = std::min<int64_t>(kAmxRows, N - n0);
+  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) {
+    const __m512 v = bias ? _mm512_add_ps(fa[m], bv) : fa[m];
+    _mm512_mask_storeu_ps(y + m * N + n0, mask, v);
+  }
+}
+
+// Row tiles [t0, t1) x activation rows [m0, m1), in row blocks of up to 16. configured: the row count the
+// calling thread's tiles are configured for (0: none yet); updated here. The caller releases the tiles.
+void linear_amx_layout_amx(const int8_t* W, const uint16_t* tscale, const int8_t* xq, const float* xs,
+                           const int32_t* xsum, int64_t Kp, const float* bias, float* y, int64_t N, int64_t t0,
+                           int64_t t1, int64_t m0, int64_t m1, int& configured) {
+  const int64_t NB = Kp / 32;
+  for (int64_t m = m0; m < m1; m += kAmxRows) {
+    const int mr = static_cast<int>(std::min<int64_t>(kAmxRows, m1 - m));
+    if (mr <= kAmxVnniRows) {
+      for (int64_t t = t0; t < t1; ++t) {
+        switch (mr) {
+#define SPECDEC_VNNI_CASE(R) \
+  case R: vnni_tile_rows<R>(W, tscale, xq + m * Kp, xs + m * NB, xsum + m * NB, Kp, bias, y + m * N, N, t); break;
+          SPECDEC_VNNI_CASE(1) SPECDEC_VNNI_CASE(2) SPECDEC_VNNI_CASE(3)
+          default: vnni_tile_rows<4>(W, tscale, xq + m * Kp, xs + m * NB, xsum + m * NB, Kp, bias, y + m * N, N, t); break;
+#undef SPECDEC_VNNI_CASE
+        }
+      }
+      continue;
+    }
+    if (mr != configured) {
+      amx_configure(mr);
+      configured = mr;
+    }
+    const int8_t* xm = xq + m * Kp;
+    const float* sm = xs + m * NB;
+    float* ym = y + m * N;
+    for (int64_t t = t0; t < t1; ++t) {
+      switch (mr) {
+#define SPECDEC_AMX_CASE(R) \
+  case R: amx_tile_rows<R>(W, tscale, xm, sm, Kp, bias, ym, N, t); break;
+        SPECDEC_AMX_CASE(1) SPECDEC_AMX_CASE(2) SPECDEC_AMX_CASE(3) SPECDEC_AMX_CASE(4)
+        SPECDEC_AMX_CASE(5) SPECDEC_AMX_CASE(6) SPECDEC_AMX_CASE(7) SPECDEC_AMX_CASE(8)
+        SPECDEC_AMX_CASE(9) SPECDEC_AMX_CASE(10) SPECDEC_AMX_CASE(11) SPECDEC_AMX_CASE(12)
+        SPECDEC_AMX_CASE(13) SPECDEC_AMX_CASE(14) SPECDEC_AMX_CASE(15)
+        default: amx_tile_rows<16>(W, tscale, xm, sm, Kp, bias, ym, N, t); break;
+#undef SPECDEC_AMX_CASE
+      }
+    }
+  }
+}
+
+}  // namespace
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+torch::Tensor q8_linear_amx_layout(const torch::Tensor& x_in, const torch::Tensor& qweight,
+                                   const torch::Tensor& tile_scale, const c10::optional<torch::Tensor>& bias_in,
+                                   int64_t in_features, int64_t out_features) {
+  TORCH_CHECK(x_in.dim() == 2, "q8_linear_amx: x must be 2-D [M, K]");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
+              "q8_linear_amx: qweight must be contiguous int8 [Np, Kp]");
+  const int64_t M = x_in.size(0), K = x_in.size(1), Np = qweight.size(0), Kp = qweight.size(1), N = out_features;
+  TORCH_CHECK(K == in_features, "q8_linear_amx: x has ", K, " features, weight expects ", in_features);
+  TORCH_CHECK(Kp % kChunk == 0 && Kp >= K && Kp < K + kChunk, "q8_linear_amx: bad padded width ", Kp);
+  TORCH_CHECK(Np % kAmxRows == 0 && N <= Np && N > Np - kAmxRows, "q8_linear_amx: ", Np, " packed rows for ", N, " outputs");
+  const int64_t NB = Kp / 32, tiles = Np / kAmxRows;
+  TORCH_CHECK(tile_scale.scalar_type() == at::kHalf && tile_scale.is_contiguous() && tile_scale.dim() == 3 &&
+                  tile_scale.size(0) == tiles && tile_scale.size(1) == NB && tile_scale.size(2) == kAmxRows,
+              "q8_linear_amx: tile_scale must be contiguous fp16 [Np/16, Kp/32, 16]");
+  const torch::Tensor x = (x_in.scalar_type() == at::kFloat && x_in.is_contiguous()) ? x_in
+                                                                                      : x_in.to(at::kFloat).contiguous();
+  torch::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    const torch::Tensor& bi = *bias_in;
+    bias = (bi.scalar_type() == at::kFloat && bi.is_contiguous()) ? bi : bi.to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.numel() == N, "q8_linear_amx: bias must have ", N, " elements");
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+
+  thread_local Scratch scratch;
+  const size_t xq_bytes = align64(size_t(M * Kp));
+  const size_t xs_bytes = align64(size_t(M * NB) * 4);
+  uint8_t* base = scratch.get(xq_bytes + 2 * xs_bytes);
+  int8_t* xq = reinterpret_cast<int8_t*>(base);
+  float* xs = reinterpret_cast<float*>(base + xq_bytes);
+  int32_t* xsum = reinterpret_cast<int32_t*>(base + xq_bytes + xs_bytes);
+  const float* xp = x.data_ptr<float>();
+  const bool amx = use_amx();
+  QuantizeUnit quantize_unit = quantize_unit_scalar;
+#ifdef SPECDEC_X86
+  if (use_avx()) quantize_unit = quantize_unit_avx;
+#endif
+  parallel_rows(M, M * K, [&](int64_t a, int64_t b) { quantize_rows_natural(quantize_unit, xp, K, Kp, a, b, xq, xs, xsum); });
+
+  const int8_t* W = qweight.data_ptr<int8_t>();
+  const uint16_t* ts = reinterpret_cast<const uint16_t*>(tile_scale.data_ptr<at::Half>());
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // Row tiles are handed out in chunks of ~128 KiB of weights (an atomic counter), each chunk walked for every
+  // block of 16 activation rows while its weights stay in cache. Who computes a tile never changes its result.
+  const int64_t tile_bytes = NB * kAmxTile;
+  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
+  // (as the other layout: at least ~48 KiB of work per chunk, so that a small call stays on one thread)
+  const int64_t grain = std::max<int64_t>(1, (48 * 1024) / (tile_bytes * std::max<int64_t>(1, M / 2)));
+  const int64_t chunk = std::max<int64_t>(
+      1, std::min(std::max<int64_t>(1, (128 * 1024) / tile_bytes), std::max(grain, tiles / (nth * 8))));
+  const int64_t nchunks = (tiles + chunk - 1) / chunk;
+  // A thread checks its tile configuration once per call (another library may have loaded its own since).
+  auto run_chunks = [&](std::atomic<int64_t>& next) {
+    int configured = 0;
+    for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) {
+      const int64_t t0 = c * chunk, t1 = std::min(tiles, t0 + chunk);
+#ifdef SPECDEC_X86
+      if (amx) {
+        linear_amx_layout_amx(W, ts, xq, xs, xsum, Kp, bp, yp, N, t0, t1, 0, M, configured);
+        continue;
+      }
+#endif
+      linear_amx_layout_scalar(W, ts, xq, xs, Kp, bp, yp, N, t0 * kAmxRows, std::min(N, t1 * kAmxRows), 0, M);
+    }
+  };
+  const int64_t workers = std::min(nth, nchunks);
+  std::atomic<int64_t> next{0};
+  if (workers <= 1 || at::in_parallel_region()) {
+    run_chunks(next);
+  } else {
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run_chunks(next); });
+  }
+  (void)amx;
+  return y;
+}
+
+// embedding_rows for the AMX layout (qweight int8 [Np, Kp], the row's scales taken from wscale [N, Kp/32]):
+// value k of row r is byte (k % 32 / 4) * 64 + (r % 16) * 4 + k % 4 of tile (r / 16, k / 32), times its scale.
+torch::Tensor embedding_rows_amx(const torch::Tensor& qweight, const torch::Tensor& wscale, const torch::Tensor& ids_in,
+                                 int64_t in_features) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
+              "embedding_rows_amx: qweight must be contiguous int8 [Np, Kp]");
+  const int64_t Np = qweight.size(0), Kp = qweight.size(1), K = in_features;
+  TORCH_CHECK(Kp % kChunk == 0 && Np % kAmxRows == 0 && K <= Kp && K > 0, "embedding_rows_amx: bad shape");
+  TORCH_CHECK(wscale.scalar_type() == at::kHalf && wscale.is_contiguous() && wscale.dim() == 2 &&
+                  wscale.size(0) <= Np && wscale.size(1) == Kp / 32,
+              "embedding_rows_amx: scale must be contiguous fp16 [N, Kp/32]");
+  const int64_t N = wscale.size(0), NB = Kp / 32;
+  const torch::Tensor ids = ids_in.to(at::kLong).contiguous().reshape({-1});
+  const int64_t n = ids.numel();
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "embedding_rows: token id ", idp[i], " out of range [0, ", N, ")");
+  torch::Tensor out = torch::empty({n, K}, qweight.options().dtype(at::kFloat));
+  const int8_t* W = qweight.data_ptr<int8_t>();
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
+  float* op = out.data_ptr<float>();
+  parallel_rows(n, n * K, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = idp[i];
+      const int8_t* tile_row = W + (r / kAmxRows) * NB * kAmxTile + (r % kAmxRows) * 4;
+      float* dst = op + i * K;
+      for (int64_t k = 0; k < K; ++k)
+        dst[k] = static_cast<float>(tile_row[(k / 32) * kAmxTile + (k % 32 / 4) * 64 + k % 4]) *
+                 half_to_float(ws[r * NB + k / 32]);
+    }
+  });
+  return out;
+}
+
 void set_force_scalar(bool v) { g_force_scalar = v; }
 
 // how many distinct threads at::parallel_for hands n single-item chunks to (a build without OpenMP: 1)
@@ -1654,10 +2047,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qk_norm_rope", &qk_norm_rope, "split q/k from fused qkv, optional QK-norm, rotate-half RoPE");
   m.def("gated_activation", &gated_activation, "act(gate) * up from a fused gate_up projection (elementwise)");
   m.def("embedding_rows", &embedding_rows, "dequantized rows of a q8 weight (an embedding lookup)");
+  m.def("embedding_rows_amx", &embedding_rows_amx, "dequantized rows of a q8 weight in the AMX layout");
   m.def("kv_write", &kv_write, "write keys/values at (slot, position) of fp32 or fp16 caches");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax, the first index of the maximum (torch.argmax's rule)");
   m.def("set_force_scalar", &set_force_scalar);
   m.def("parallel_threads", &parallel_threads, "distinct threads at::parallel_for uses for n items");
   m.def("isa", &isa);
   m.def("cpu_has_avx512vnni", &cpu_has_avx512vnni);
+  m.def("q8_linear_amx", &q8_linear_amx_layout, "int8 linear on the AMX weight layout (row invariant)");
+  m.def("amx_available", [] { return cpu_has_amx(); }, "AMX-INT8 present and granted by the OS");
 }

@@ -74,7 +74,8 @@ class Linear:
         bias = None if self.bias is None else self.bias[row_ids]
         if self.quantized is not None:
             weight = self.quantized
-            rows = QuantizedWeight.from_int8(weight.int8(row_ids), weight.scale.index_select(0, row_ids.to(weight.scale.device)))
+            rows = QuantizedWeight.from_int8(weight.int8(row_ids), weight.scale.index_select(0, row_ids.to(weight.scale.device)),
+                                             weight.layout)
             return Linear(dense=None, quantized=rows, bias=bias)
         return Linear(dense=self.dense[row_ids].contiguous(), quantized=None, bias=bias)
 
@@ -87,5 +88,4 @@ class Linear:
     def nbytes(self) -> int:
         if self.dense is not None:
             return self.dense.numel() * self.dense.element_size()
-        q = self.quantized
-        return q.qweight.numel() * q.qweight.element_size() + q.scale.numel() * q.scale.element_size()
+        return self.quantized.nbytes
