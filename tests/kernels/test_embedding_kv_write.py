@@ -60,6 +60,21 @@ def test_kv_write_equals_indexed_assignment(scalar, dtype, rows, heads, dim):
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_kv_write_reads_strided_rows_in_place(scalar, rows):
+    """The transformer passes its values as a column slice of the fused qkv rows (row stride > heads * dim)."""
+    generator = torch.Generator().manual_seed(rows)
+    caches = [torch.zeros(2, 3, 64, 16, dtype=torch.float16) for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    qkv = torch.randn(rows, 9 * 16, generator=generator)
+    keys, values = qkv[:, 96:].reshape(rows, 3, 16).clone(), qkv[:, 48:96].reshape(rows, 3, 16)
+    assert not values.is_contiguous() or rows == 1
+    slots, positions = torch.zeros(rows, dtype=torch.long), torch.arange(5, 5 + rows)
+    ops.kv_write(caches[0], caches[1], slots, positions, keys, values)
+    _torch_write(expected[0], expected[1], slots, positions, keys, values)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
 def test_kv_write_rejects_positions_outside_the_cache_and_bad_shapes():
     caches = [torch.zeros(2, 1, 16, 8, dtype=torch.float16) for _ in range(2)]
     keys = torch.zeros(1, 1, 8)

@@ -162,12 +162,16 @@ struct Layout {
   }
 };
 
-// Runs rows(r0, r1) over [0, R) on the intra-op threads once the call touches at least 2^16 values (a prefill;
-// below that a decode step's few rows stay on one thread). Each row is computed alone, so the split has no
+#ifndef SPECDEC_PARALLEL_ROW_VALUES
+#define SPECDEC_PARALLEL_ROW_VALUES 8192
+#endif
+constexpr int64_t kParallelRowValues = SPECDEC_PARALLEL_ROW_VALUES;
+// Runs rows(r0, r1) over [0, R) on the intra-op threads once the call has 2 rows or more and touches at least
+// kParallelRowValues values (a prefill, or a verify block's activation; a decode step's row stays on one thread). Each row is computed alone, so the split has no
 // influence on the result.
 template <class Rows>
 void parallel_rows(int64_t R, int64_t values, const Rows& rows) {
-  if (values < (1 << 16)) {
+  if (values < kParallelRowValues || R < 2) {
     rows(0, R);
   } else {
     at::parallel_for(0, R, 1, rows);
@@ -1601,7 +1605,11 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor&
   TORCH_CHECK(keys_in.dim() == 3 && keys_in.size(0) == n && keys_in.size(1) == H && keys_in.size(2) == D &&
                   keys_in.sizes() == values_in.sizes(),
               "kv_write: keys and values must be [", n, ", ", H, ", ", D, "]");
-  const torch::Tensor keys = keys_in.to(at::kFloat).contiguous(), values = values_in.to(at::kFloat).contiguous();
+  // rows may be strided (the values are a column slice of the fused qkv projection): each row's heads contiguous
+  auto rows_of = [](const torch::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.to(at::kFloat).contiguous();
+  };
+  const torch::Tensor keys = rows_of(keys_in), values = rows_of(values_in);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* pp = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -1610,11 +1618,13 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor&
   const bool half = k_cache.scalar_type() == at::kHalf;
   const bool avx = use_avx();
   for (int w = 0; w < 2; ++w) {
-    const float* src = (w == 0 ? keys : values).data_ptr<float>();
+    const torch::Tensor& rows = w == 0 ? keys : values;
+    const float* src = rows.data_ptr<float>();
+    const int64_t row_stride = n > 1 ? rows.stride(0) : H * D;
     void* base = (w == 0 ? k_cache : v_cache).data_ptr();  // element (s, h, p, 0) at ((s * H + h) * L + p) * D
     for (int64_t i = 0; i < n; ++i)
       for (int64_t h = 0; h < H; ++h) {
-        const float* row = src + (i * H + h) * D;
+        const float* row = src + i * row_stride + h * D;
         const int64_t at = ((sp[i] * H + h) * L + pp[i]) * D;
         if (!half) {
           std::memcpy(static_cast<float*>(base) + at, row, size_t(D) * sizeof(float));
