@@ -145,3 +145,14 @@ def test_decode_phase_leaves_out_the_time_to_first_token(tiny_tokenizer, tmp_pat
     assert summary["fast"]["ttft_s"] == pytest.approx(1.0)
     assert summary["blind"]["decode_tokens_per_s"] is None and summary["blind"]["decode_speedup"] is None
     assert summary["blind"]["ttft_s"] is None
+
+
+def test_kernel_bench_compares_the_weight_layouts(capsys):
+    from specdec.bench import kernel_bench
+
+    kernel_bench.main(["--shapes", "64x48", "--ms", "1,8", "--no-baselines", "--skip-attention", "--hot",
+                       "--layouts", "vnni,amx"])
+    out = capsys.readouterr().out
+    assert "q8-vnni" in out and "q8-amx" in out
+    with pytest.raises(SystemExit):
+        kernel_bench.main(["--layouts", "tiles"])

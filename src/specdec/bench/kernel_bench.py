@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from specdec.kernels import ops
-from specdec.kernels.ops import QuantizedWeight as QW
 
 SHAPES = [
     (640, 1024),
@@ -73,10 +72,10 @@ def _rotating(make, nbytes: int, cold: bool):
 COLD_BYTES = 96 << 20  # > 32 MiB L3: every call streams its weight from DRAM, as in a real model
 
 
-def bench_linear(shapes, ms, baselines=True, cold=True):
+def bench_linear(shapes, ms, baselines=True, cold=True, layouts=None):
     mode = "cold (weights from DRAM)" if cold else "hot (weight may sit in L2/L3)"
     print(f"\n== q8_linear (isa={ops.kernel_isa()}, threads={torch.get_num_threads()}, {mode}) ==")
-    hdr = f"{'shape KxN':>14} {'impl':>5} " + " ".join(f"{'M=' + str(m):>9}" for m in ms)
+    hdr = f"{'shape KxN':>14} {'impl':>7} " + " ".join(f"{'M=' + str(m):>9}" for m in ms)
     hdr += f" {'T8/T1':>6} {'GB/s@1':>7}"
     print(hdr)
     print("-" * len(hdr))
@@ -84,10 +83,11 @@ def bench_linear(shapes, ms, baselines=True, cold=True):
     for k, n in shapes:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(n, k, generator=g) * 0.05
-        qw = ops.quantize_weight(w)
-        qbytes = qw.qweight.numel() + 2 * qw.scale.numel()
-        impls = [("q8", _rotating(lambda: QW(qw.qweight.clone(), qw.scale.clone(), k), qbytes, cold), ops.q8_linear,
-                  qbytes)]
+        impls = []
+        for layout in layouts or [ops.default_q8_layout()]:
+            qw = ops.quantize_weight(w, layout)
+            name = "q8" if layouts is None else f"q8-{layout}"
+            impls.append((name, _rotating(qw.clone, qw.nbytes, cold), ops.q8_linear, qw.nbytes))
         if baselines:
             wb = w.to(torch.bfloat16)
             impls.append(("bf16", _rotating(lambda: wb.clone(), 2 * n * k, cold),
@@ -98,7 +98,7 @@ def bench_linear(shapes, ms, baselines=True, cold=True):
             times = _interleaved_median_times({m: (lambda x=x: fn(x, weights())) for m, x in inputs.items()})
             t1 = times[ms[0]]
             ratio = times[8] / t1 if 8 in times else float("nan")
-            row = f"{k:>6}x{n:<7} {name:>5} " + " ".join(f"{times[m] * 1e3:8.3f}m" for m in ms)
+            row = f"{k:>6}x{n:<7} {name:>7} " + " ".join(f"{times[m] * 1e3:8.3f}m" for m in ms)
             row += f" {ratio:6.2f} {nbytes / t1 / 1e9:7.1f}"
             print(row, flush=True)
             results.append((k, n, name, times))
@@ -142,6 +142,8 @@ def main(argv=None):
     p.add_argument("--no-baselines", action="store_true", help="skip bf16/fp32 F.linear")
     p.add_argument("--skip-attention", action="store_true")
     p.add_argument("--hot", action="store_true", help="reuse one weight copy (it may stay cached)")
+    p.add_argument("--layouts", default="", help="q8 weight layouts to compare, e.g. vnni,amx (default: this "
+                   "machine's default layout)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     ops.build_kernels()
@@ -150,7 +152,11 @@ def main(argv=None):
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.ms.split(",")]
     bench_overhead()
-    bench_linear(shapes, ms, baselines=not args.no_baselines, cold=not args.hot)
+    layouts = [layout.strip() for layout in args.layouts.split(",") if layout.strip()] or None
+    unknown = [layout for layout in layouts or [] if layout not in ops.Q8_LAYOUTS]
+    if unknown:
+        p.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(ops.Q8_LAYOUTS)}")
+    bench_linear(shapes, ms, baselines=not args.no_baselines, cold=not args.hot, layouts=layouts)
     if not args.skip_attention:
         bench_attention()
 

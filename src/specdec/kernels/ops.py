@@ -274,6 +274,12 @@ class QuantizedWeight:
     def out_features(self) -> int:
         return self.scale.shape[0]
 
+    def clone(self) -> "QuantizedWeight":
+        """A copy in new memory (benchmarks cycle through copies so that every call reads its weight from DRAM)."""
+        tile_scale = None if self.tile_scale is None else self.tile_scale.clone()
+        return QuantizedWeight(self.qweight.clone(), self.scale.clone(), self.in_features, layout=self.layout,
+                               tile_scale=tile_scale)
+
     @property
     def nbytes(self) -> int:
         """Bytes a forward streams: the packed weight and the scales the kernel reads."""
