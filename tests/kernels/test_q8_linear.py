@@ -302,8 +302,10 @@ def test_default_layout_follows_the_cpu_and_the_override(monkeypatch):
     monkeypatch.delenv("SPECDEC_Q8_LAYOUT", raising=False)
     assert ops.default_q8_layout() == ("amx" if ops.amx_available() else "vnni")
     assert ops.quantize_weight(torch.randn(4, 64)).layout == ops.default_q8_layout()
+    assert ops.kernel_build_id().endswith("-amx") == ops.amx_available()  # cost profiles are kept per layout
     monkeypatch.setenv("SPECDEC_Q8_LAYOUT", "vnni")
     assert ops.quantize_weight(torch.randn(4, 64)).layout == "vnni"
+    assert not ops.kernel_build_id().endswith("-amx")
     monkeypatch.setenv("SPECDEC_Q8_LAYOUT", "tiles")
     with pytest.raises(ValueError, match="SPECDEC_Q8_LAYOUT='tiles'"):
         ops.quantize_weight(torch.randn(4, 64))

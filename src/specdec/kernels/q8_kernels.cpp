@@ -1033,6 +1033,52 @@ void linear_block_scalar(const uint8_t* W, const int8_t* X, const int32_t* corr,
                      bias ? bias + n : nullptr, y + m * N + n);
 }
 
+// The activations as contiguous fp32 [M, K] and the bias (if any) as contiguous fp32 [N], checked.
+struct LinearInputs {
+  torch::Tensor x, bias;
+};
+LinearInputs linear_inputs(const torch::Tensor& x_in, const c10::optional<torch::Tensor>& bias_in, int64_t N,
+                           const char* name) {
+  LinearInputs in;
+  in.x = (x_in.scalar_type() == at::kFloat && x_in.is_contiguous()) ? x_in : x_in.to(at::kFloat).contiguous();
+  if (bias_in.has_value() && bias_in->defined()) {
+    const torch::Tensor& bi = *bias_in;
+    in.bias = (bi.scalar_type() == at::kFloat && bi.is_contiguous()) ? bi : bi.to(at::kFloat).contiguous();
+    TORCH_CHECK(in.bias.numel() == N, name, ": bias must have ", N, " elements");
+  }
+  return in;
+}
+
+inline QuantizeUnit pick_quantize_unit() {
+#ifdef SPECDEC_X86
+  if (use_avx()) return quantize_unit_avx;
+#endif
+  return quantize_unit_scalar;
+}
+
+// Tiles of tile_bytes handed out in chunks of at least ~48 KiB of work (so that a small call stays on one thread)
+// and at most ~128 KiB of weights, about 8 chunks per thread otherwise.
+inline int64_t chunk_tiles(int64_t tiles, int64_t tile_bytes, int64_t M) {
+  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(1, (48 * 1024) / (tile_bytes * std::max<int64_t>(1, M / 2)));
+  const int64_t most = std::max<int64_t>(1, (128 * 1024) / tile_bytes);
+  return std::max<int64_t>(1, std::min(most, std::max(grain, tiles / (nth * 8))));
+}
+
+// Runs worker(next) on every intra-op thread (one call when a single worker suffices): each worker takes chunk
+// indices from the shared counter until nchunks are taken, so a thread slowed down by other load does not hold
+// back the whole call. Which thread computes a chunk has no influence on the result.
+template <class Worker>
+void run_chunk_workers(int64_t nchunks, const Worker& worker) {
+  const int64_t workers = std::min<int64_t>(std::max<int64_t>(1, at::get_num_threads()), nchunks);
+  std::atomic<int64_t> next{0};
+  if (workers <= 1 || at::in_parallel_region()) {
+    worker(next);
+  } else {
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { worker(next); });
+  }
+}
+
 torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& wscale,
                         const c10::optional<torch::Tensor>& bias_in, int64_t in_features) {
   TORCH_CHECK(x_in.dim() == 2, "q8_linear: x must be 2-D [M, K]");
@@ -1044,15 +1090,9 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
   TORCH_CHECK(wscale.scalar_type() == at::kHalf && wscale.is_contiguous() && wscale.dim() == 2 &&
                   wscale.size(0) == N && wscale.size(1) == Kp / 32,
               "q8_linear: scale must be contiguous fp16 [N, Kp/32]");
-  const torch::Tensor x = (x_in.scalar_type() == at::kFloat && x_in.is_contiguous())
-                              ? x_in
-                              : x_in.to(at::kFloat).contiguous();
-  torch::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    const torch::Tensor& bi = *bias_in;
-    bias = (bi.scalar_type() == at::kFloat && bi.is_contiguous()) ? bi : bi.to(at::kFloat).contiguous();
-    TORCH_CHECK(bias.numel() == N, "q8_linear: bias must have ", N, " elements");
-  }
+  const LinearInputs in = linear_inputs(x_in, bias_in, N, "q8_linear");
+  const torch::Tensor& x = in.x;
+  const torch::Tensor& bias = in.bias;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 
@@ -1068,10 +1108,7 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
 
   const float* xp = x.data_ptr<float>();
   const bool avx = use_avx();
-  QuantizeUnit quantize_unit = quantize_unit_scalar;
-#ifdef SPECDEC_X86
-  if (avx) quantize_unit = quantize_unit_avx;
-#endif
+  const QuantizeUnit quantize_unit = pick_quantize_unit();
   parallel_rows(M, M * K, [&](int64_t a, int64_t b) { quantize_rows(quantize_unit, xp, K, L, a, b, xq, corr, xs); });
 
   const uint8_t* W = qweight.data_ptr<uint8_t>();
@@ -1079,20 +1116,11 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
 
-  // Tiling: weight rows in tiles of 4; each parallel task walks n-blocks of
-  // ~128 KiB of weights and, for each, all m-blocks of ~96 KiB activations.
+  // Tiling: weight rows in tiles of 4; each chunk of tiles is walked for every m-block of ~96 KiB of activations.
   constexpr int64_t NR = 4;
   const int64_t ntiles = (N + NR - 1) / NR;
-  const int64_t tile_bytes = NR * Kp;
-  const int64_t nb_tiles = std::max<int64_t>(1, (128 * 1024) / tile_bytes);
   const int64_t mb = std::max<int64_t>(3, ((96 * 1024) / Kp) / 3 * 3);
-  const int64_t work_per_tile = tile_bytes * std::max<int64_t>(1, M / 2);
-  const int64_t grain = std::max<int64_t>(1, (48 * 1024) / work_per_tile);
-  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
-  // Work is handed out dynamically in chunks of tiles (an atomic counter), so
-  // a thread slowed down by other load does not hold back the whole call.
-  // Which thread computes a tile has no influence on the result.
-  const int64_t chunk = std::max<int64_t>(1, std::min(nb_tiles, std::max(grain, ntiles / (nth * 8))));
+  const int64_t chunk = chunk_tiles(ntiles, NR * Kp, M);
   const int64_t nchunks = (ntiles + chunk - 1) / chunk;
   auto run_chunk = [&](int64_t c) {
     const int64_t t0 = c * chunk, t1 = std::min(ntiles, t0 + chunk);
@@ -1108,15 +1136,9 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
       linear_block_scalar(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
     }
   };
-  const int64_t workers = std::min(nth, nchunks);
-  if (workers <= 1 || at::in_parallel_region()) {
-    for (int64_t c = 0; c < nchunks; ++c) run_chunk(c);
-  } else {
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-      for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) run_chunk(c);
-    });
-  }
+  run_chunk_workers(nchunks, [&](std::atomic<int64_t>& next) {
+    for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) run_chunk(c);
+  });
   (void)avx;
   return y;
 }
@@ -1932,14 +1954,9 @@ torch::Tensor q8_linear_amx_layout(const torch::Tensor& x_in, const torch::Tenso
   TORCH_CHECK(tile_scale.scalar_type() == at::kHalf && tile_scale.is_contiguous() && tile_scale.dim() == 3 &&
                   tile_scale.size(0) == tiles && tile_scale.size(1) == NB && tile_scale.size(2) == kAmxRows,
               "q8_linear_amx: tile_scale must be contiguous fp16 [Np/16, Kp/32, 16]");
-  const torch::Tensor x = (x_in.scalar_type() == at::kFloat && x_in.is_contiguous()) ? x_in
-                                                                                      : x_in.to(at::kFloat).contiguous();
-  torch::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    const torch::Tensor& bi = *bias_in;
-    bias = (bi.scalar_type() == at::kFloat && bi.is_contiguous()) ? bi : bi.to(at::kFloat).contiguous();
-    TORCH_CHECK(bias.numel() == N, "q8_linear_amx: bias must have ", N, " elements");
-  }
+  const LinearInputs in = linear_inputs(x_in, bias_in, N, "q8_linear_amx");
+  const torch::Tensor& x = in.x;
+  const torch::Tensor& bias = in.bias;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 
@@ -1952,24 +1969,16 @@ torch::Tensor q8_linear_amx_layout(const torch::Tensor& x_in, const torch::Tenso
   int32_t* xsum = reinterpret_cast<int32_t*>(base + xq_bytes + xs_bytes);
   const float* xp = x.data_ptr<float>();
   const bool amx = use_amx();
-  QuantizeUnit quantize_unit = quantize_unit_scalar;
-#ifdef SPECDEC_X86
-  if (use_avx()) quantize_unit = quantize_unit_avx;
-#endif
+  const QuantizeUnit quantize_unit = pick_quantize_unit();
   parallel_rows(M, M * K, [&](int64_t a, int64_t b) { quantize_rows_natural(quantize_unit, xp, K, Kp, a, b, xq, xs, xsum); });
 
   const int8_t* W = qweight.data_ptr<int8_t>();
   const uint16_t* ts = reinterpret_cast<const uint16_t*>(tile_scale.data_ptr<at::Half>());
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // Row tiles are handed out in chunks of ~128 KiB of weights (an atomic counter), each chunk walked for every
-  // block of 16 activation rows while its weights stay in cache. Who computes a tile never changes its result.
-  const int64_t tile_bytes = NB * kAmxTile;
-  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
-  // (as the other layout: at least ~48 KiB of work per chunk, so that a small call stays on one thread)
-  const int64_t grain = std::max<int64_t>(1, (48 * 1024) / (tile_bytes * std::max<int64_t>(1, M / 2)));
-  const int64_t chunk = std::max<int64_t>(
-      1, std::min(std::max<int64_t>(1, (128 * 1024) / tile_bytes), std::max(grain, tiles / (nth * 8))));
+  // Row tiles in chunks (chunk_tiles), each chunk walked for every block of 16 activation rows while its weights
+  // stay in cache. Who computes a tile never changes its result.
+  const int64_t chunk = chunk_tiles(tiles, NB * kAmxTile, M);
   const int64_t nchunks = (tiles + chunk - 1) / chunk;
   // A thread checks its tile configuration once per call (another library may have loaded its own since).
   auto run_chunks = [&](std::atomic<int64_t>& next) {
@@ -1985,13 +1994,7 @@ torch::Tensor q8_linear_amx_layout(const torch::Tensor& x_in, const torch::Tenso
       linear_amx_layout_scalar(W, ts, xq, xs, Kp, bp, yp, N, t0 * kAmxRows, std::min(N, t1 * kAmxRows), 0, M);
     }
   };
-  const int64_t workers = std::min(nth, nchunks);
-  std::atomic<int64_t> next{0};
-  if (workers <= 1 || at::in_parallel_region()) {
-    run_chunks(next);
-  } else {
-    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run_chunks(next); });
-  }
+  run_chunk_workers(nchunks, run_chunks);
   (void)amx;
   return y;
 }
