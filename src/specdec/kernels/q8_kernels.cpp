@@ -162,13 +162,10 @@ struct Layout {
   }
 };
 
-#ifndef SPECDEC_PARALLEL_ROW_VALUES
-#define SPECDEC_PARALLEL_ROW_VALUES 8192
-#endif
-constexpr int64_t kParallelRowValues = SPECDEC_PARALLEL_ROW_VALUES;
+constexpr int64_t kParallelRowValues = 8192;
 // Runs rows(r0, r1) over [0, R) on the intra-op threads once the call has 2 rows or more and touches at least
-// kParallelRowValues values (a prefill, or a verify block's activation; a decode step's row stays on one thread). Each row is computed alone, so the split has no
-// influence on the result.
+// kParallelRowValues values (a prefill, or a verify block's activation; a decode step's row stays on one
+// thread). Each row is computed alone, so the split has no influence on the result.
 template <class Rows>
 void parallel_rows(int64_t R, int64_t values, const Rows& rows) {
   if (values < kParallelRowValues || R < 2) {
@@ -1049,6 +1046,22 @@ LinearInputs linear_inputs(const torch::Tensor& x_in, const c10::optional<torch:
   return in;
 }
 
+// The calling thread's scratch for M quantized activation rows: the int8 values [M, Kp], then per row `per_row`
+// fp32 scales and int32 block sums (their order within a row is the layout's).
+struct QuantizedRows {
+  int8_t* q;
+  float* scales;
+  int32_t* sums;
+};
+QuantizedRows quantized_rows_scratch(int64_t M, int64_t Kp, int64_t per_row) {
+  thread_local Scratch scratch;
+  const size_t q_bytes = align64(size_t(M * Kp));
+  const size_t values_bytes = align64(size_t(M * per_row) * 4);
+  uint8_t* base = scratch.get(q_bytes + 2 * values_bytes);
+  return {reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + q_bytes),
+          reinterpret_cast<int32_t*>(base + q_bytes + values_bytes)};
+}
+
 inline QuantizeUnit pick_quantize_unit() {
 #ifdef SPECDEC_X86
   if (use_avx()) return quantize_unit_avx;
@@ -1097,14 +1110,10 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
   if (M == 0 || N == 0) return y;
 
   const Layout L(Kp);
-  const int64_t ldc = L.U * 16;
-  thread_local Scratch scratch;
-  const size_t xq_bytes = align64(size_t(M * Kp));
-  const size_t c_bytes = align64(size_t(M * ldc) * 4);
-  uint8_t* base = scratch.get(xq_bytes + 2 * c_bytes);
-  int8_t* xq = reinterpret_cast<int8_t*>(base);
-  int32_t* corr = reinterpret_cast<int32_t*>(base + xq_bytes);
-  float* xs = reinterpret_cast<float*>(base + xq_bytes + c_bytes);
+  const QuantizedRows act = quantized_rows_scratch(M, Kp, L.U * 16);
+  int8_t* xq = act.q;
+  float* xs = act.scales;
+  int32_t* corr = act.sums;  // -128 * the block sums (see quantize_rows)
 
   const float* xp = x.data_ptr<float>();
   const bool avx = use_avx();
@@ -1548,6 +1557,15 @@ torch::Tensor argmax_rows(const torch::Tensor& x_in) {
   return out;
 }
 
+// Token ids as a flat int64 tensor, each checked to be a row of an N-row table.
+torch::Tensor embedding_ids(const torch::Tensor& ids_in, int64_t N) {
+  const torch::Tensor ids = ids_in.to(at::kLong).contiguous().reshape({-1});
+  const int64_t* idp = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "embedding_rows: token id ", idp[i], " out of range [0, ", N, ")");
+  return ids;
+}
+
 // Rows of a q8 weight as an embedding table: out[i, j] = (qweight byte of (ids[i], j) - 128) * scale[ids[i], j / 32]
 // in fp32 (one rounding, the product QuantizedWeight.int8() * _scales() computes). unpack[j] is the packed
 // column of natural column j; rows in tiles of 4 are chunk-interleaved (QuantizedWeight's layout), the last N % 4
@@ -1561,15 +1579,13 @@ torch::Tensor embedding_rows(const torch::Tensor& qweight, const torch::Tensor& 
   TORCH_CHECK(wscale.scalar_type() == at::kHalf && wscale.is_contiguous() && wscale.dim() == 2 &&
                   wscale.size(0) == N && wscale.size(1) == Kp / 32,
               "embedding_rows: scale must be contiguous fp16 [N, Kp/32]");
-  const torch::Tensor ids = ids_in.to(at::kLong).contiguous().reshape({-1});
+  const torch::Tensor ids = embedding_ids(ids_in, N);
   const torch::Tensor unpack = unpack_in.to(at::kLong).contiguous();
   const int64_t n = ids.numel(), K = unpack.numel();
   TORCH_CHECK(K <= Kp, "embedding_rows: ", K, " columns but the weight has ", Kp);
   const int64_t* idp = ids.data_ptr<int64_t>();
   const int64_t* up = unpack.data_ptr<int64_t>();
   for (int64_t j = 0; j < K; ++j) TORCH_CHECK(up[j] >= 0 && up[j] < Kp, "embedding_rows: unpack index out of range");
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "embedding_rows: token id ", idp[i], " out of range [0, ", N, ")");
   torch::Tensor out = torch::empty({n, K}, qweight.options().dtype(at::kFloat));
   const uint8_t* W = qweight.data_ptr<uint8_t>();
   const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
@@ -1682,14 +1698,8 @@ void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor&
 
 constexpr int64_t kAmxRows = 16;    // output rows per weight tile
 constexpr int64_t kAmxTile = 512;   // bytes of one (row tile, block) weight tile
-#ifndef SPECDEC_AMX_PREFETCH
-#define SPECDEC_AMX_PREFETCH 4096
-#endif
-constexpr int64_t kAmxPrefetch = SPECDEC_AMX_PREFETCH;  // bytes ahead in the weight stream
-#ifndef SPECDEC_AMX_VNNI_ROWS
-#define SPECDEC_AMX_VNNI_ROWS 4
-#endif
-constexpr int kAmxVnniRows = SPECDEC_AMX_VNNI_ROWS;  // row blocks of at most this many rows skip the tiles
+constexpr int64_t kAmxPrefetch = 4096;  // bytes ahead in the weight stream (2 and 8 KB measured within noise)
+constexpr int kAmxVnniRows = 4;         // row blocks of at most this many rows skip the tiles
 
 bool cpu_has_amx() {
 #ifdef SPECDEC_X86
@@ -1781,6 +1791,28 @@ inline void amx_configure(int mr) {
   if (std::memcmp(&current, &cfg, sizeof(cfg)) != 0) _tile_loadconfig(&cfg);
 }
 
+// The block scales of row tile t's 16 output rows for block b, as fp32.
+inline __m512 amx_block_scales(const uint16_t* tscale, int64_t NB, int64_t t, int64_t b) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tscale + (t * NB + b) * kAmxRows)));
+}
+
+// One block's step of the layout's reduction for one activation row: fa = fma(float(dots), x_scale * w_scales, fa)
+// (the product rounded first). Both SIMD paths use it, so their sums are the same operations in the same order.
+inline __m512 amx_add_block(__m512 fa, __m512i dots, float x_scale, __m512 w_scales) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(_mm512_set1_ps(x_scale), w_scales), fa);
+}
+
+// y[m][16 t .. 16 t + 16) = fa[m] (+ bias), the rows beyond N left out.
+template <int MR>
+inline void amx_store_rows(const __m512 (&fa)[MR], const float* bias, float* y, int64_t N, int64_t t) {
+  const int64_t n0 = t * kAmxRows;
+  const int64_t valid = std::min<int64_t>(kAmxRows, N - n0);
+  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * N + n0, mask, bias ? _mm512_add_ps(fa[m], bv) : fa[m]);
+}
+
 // y[m][16 t .. 16 t + 16) for the MR activation rows at xq (row stride Kp), row tile t.
 template <int MR>
 __attribute__((always_inline)) inline void amx_tile_rows(const int8_t* W, const uint16_t* tscale, const int8_t* xq,
@@ -1792,18 +1824,14 @@ __attribute__((always_inline)) inline void amx_tile_rows(const int8_t* W, const 
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) fa[m] = _mm512_setzero_ps();
   const int8_t* wt = W + t * NB * kAmxTile;
-  const uint16_t* st = tscale + t * NB * kAmxRows;
   auto epilogue = [&](const int32_t* c, int64_t b) {
-    const __m512 wsv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + b * kAmxRows)));
+    const __m512 wsv = amx_block_scales(tscale, NB, t, b);
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(xs[m * NB + b]), wsv);
-      fa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + m * 16)), s, fa[m]);
-    }
+    for (int m = 0; m < MR; ++m) fa[m] = amx_add_block(fa[m], _mm512_load_si512(c + m * 16), xs[m * NB + b], wsv);
   };
   int64_t b = 0;
   for (; b + 2 <= NB; b += 2) {
-    if (kAmxPrefetch > 0) {  // the weight stream, kAmxPrefetch bytes ahead (the hardware prefetcher alone: 15 % slower)
+    {  // the weight stream, kAmxPrefetch bytes ahead (the hardware prefetcher alone: 15 % slower)
       const char* pf = reinterpret_cast<const char*>(wt + b * kAmxTile) + kAmxPrefetch;
 #pragma GCC unroll 16
       for (int line = 0; line < 16; ++line) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
@@ -1829,19 +1857,11 @@ __attribute__((always_inline)) inline void amx_tile_rows(const int8_t* W, const 
     _tile_stored(0, cbuf[0], 64);
     epilogue(cbuf[0], b);
   }
-  const int64_t n0 = t * kAmxRows;
-  const int64_t valid = std::min<int64_t>(kAmxRows, N - n0);
-  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m) {
-    const __m512 v = bias ? _mm512_add_ps(fa[m], bv) : fa[m];
-    _mm512_mask_storeu_ps(y + m * N + n0, mask, v);
-  }
+  amx_store_rows<MR>(fa, bias, y, N, t);
 }
 
-// The same outputs as amx_tile_rows with AVX-512 VNNI instead of tiles, for one or two activation rows (where
-// the tile path's store and reload of every block's dots costs more than it saves). vpdpbusd multiplies unsigned
+// The same outputs as amx_tile_rows with AVX-512 VNNI instead of tiles, for 1 to kAmxVnniRows activation rows
+// (where the tile path's store and reload of every block's dots costs more than it saves). vpdpbusd multiplies unsigned
 // by signed bytes: the weights are flipped to w + 128 (xor 0x80) and the accumulator starts at -128 * sum(x of
 // the block), so each lane holds the exact int32 dot of its output row, as TDPBSSD gives it.
 template <int MR>
@@ -1853,14 +1873,12 @@ __attribute__((always_inline)) inline void vnni_tile_rows(const int8_t* W, const
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) fa[m] = _mm512_setzero_ps();
   const int8_t* wt = W + t * NB * kAmxTile;
-  const uint16_t* st = tscale + t * NB * kAmxRows;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < NB; ++b) {
     const int8_t* wb = wt + b * kAmxTile;
-    if (kAmxPrefetch > 0) {
 #pragma GCC unroll 8
-      for (int line = 0; line < 8; ++line) _mm_prefetch(reinterpret_cast<const char*>(wb) + kAmxPrefetch + line * 64, _MM_HINT_T0);
-    }
+    for (int line = 0; line < 8; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(wb) + kAmxPrefetch + line * 64, _MM_HINT_T0);
     __m512i acc[MR];
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_set1_epi32(-128 * xsum[m * NB + b]);
@@ -1874,26 +1892,15 @@ __attribute__((always_inline)) inline void vnni_tile_rows(const int8_t* W, const
         acc[m] = _mm512_dpbusd_epi32(acc[m], w, _mm512_set1_epi32(quad));
       }
     }
-    const __m512 wsv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + b * kAmxRows)));
+    const __m512 wsv = amx_block_scales(tscale, NB, t, b);
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(xs[m * NB + b]), wsv);
-      fa[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m]), s, fa[m]);
-    }
+    for (int m = 0; m < MR; ++m) fa[m] = amx_add_block(fa[m], acc[m], xs[m * NB + b], wsv);
   }
-  const int64_t n0 = t * kAmxRows;
-  const int64_t valid = std::min<int64_t>(kAmxRows, N - n0);
-  const __mmask16 mask = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m) {
-    const __m512 v = bias ? _mm512_add_ps(fa[m], bv) : fa[m];
-    _mm512_mask_storeu_ps(y + m * N + n0, mask, v);
-  }
+  amx_store_rows<MR>(fa, bias, y, N, t);
 }
 
-// Row tiles [t0, t1) x activation rows [m0, m1), in row blocks of up to 16. configured: the row count the
-// calling thread's tiles are configured for (0: none yet); updated here. The caller releases the tiles.
+// Row tiles [t0, t1) x activation rows [m0, m1), in row blocks of up to 16. configured: the row count this call
+// has configured the thread's tiles for (0: not yet), updated here; the tiles stay configured afterwards.
 void linear_amx_layout_amx(const int8_t* W, const uint16_t* tscale, const int8_t* xq, const float* xs,
                            const int32_t* xsum, int64_t Kp, const float* bias, float* y, int64_t N, int64_t t0,
                            int64_t t1, int64_t m0, int64_t m1, int& configured) {
@@ -1960,13 +1967,10 @@ torch::Tensor q8_linear_amx_layout(const torch::Tensor& x_in, const torch::Tenso
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 
-  thread_local Scratch scratch;
-  const size_t xq_bytes = align64(size_t(M * Kp));
-  const size_t xs_bytes = align64(size_t(M * NB) * 4);
-  uint8_t* base = scratch.get(xq_bytes + 2 * xs_bytes);
-  int8_t* xq = reinterpret_cast<int8_t*>(base);
-  float* xs = reinterpret_cast<float*>(base + xq_bytes);
-  int32_t* xsum = reinterpret_cast<int32_t*>(base + xq_bytes + xs_bytes);
+  const QuantizedRows act = quantized_rows_scratch(M, Kp, NB);
+  int8_t* xq = act.q;
+  float* xs = act.scales;
+  int32_t* xsum = act.sums;
   const float* xp = x.data_ptr<float>();
   const bool amx = use_amx();
   const QuantizeUnit quantize_unit = pick_quantize_unit();
@@ -2011,11 +2015,9 @@ torch::Tensor embedding_rows_amx(const torch::Tensor& qweight, const torch::Tens
                   wscale.size(0) <= Np && wscale.size(1) == Kp / 32,
               "embedding_rows_amx: scale must be contiguous fp16 [N, Kp/32]");
   const int64_t N = wscale.size(0), NB = Kp / 32;
-  const torch::Tensor ids = ids_in.to(at::kLong).contiguous().reshape({-1});
+  const torch::Tensor ids = embedding_ids(ids_in, N);
   const int64_t n = ids.numel();
   const int64_t* idp = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(idp[i] >= 0 && idp[i] < N, "embedding_rows: token id ", idp[i], " out of range [0, ", N, ")");
   torch::Tensor out = torch::empty({n, K}, qweight.options().dtype(at::kFloat));
   const int8_t* W = qweight.data_ptr<int8_t>();
   const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
