@@ -185,7 +185,7 @@ def test_features_recorded_while_generating_equal_a_second_pass(make_tiny_model,
     of mixed lengths) are bit for bit those of one forward pass over the finished sequence."""
     model = make_tiny_model(architecture)
     prompts = PROMPTS + TRAIN_PROMPTS[:4]
-    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True) for i in range(len(prompts))]
     sequences = generate_training_sequences(model, tiny_tokenizer, prompts, 30, max_len=64, batch_size=3, params=params)
     assert [s.prompt_length for s in sequences] == [len(p) for p in prompts]
     full = [s.token_ids.tolist() for s in sequences]

@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.config import SamplingParams
-from specdec.verify.sampling import greedy_tokens, logits_to_probs, make_generator, sample
+from specdec.verify.sampling import TOP_P_CANDIDATES, greedy_tokens, logits_to_probs, make_generator, sample
 
 
 def logits_from_probs(probs: list[float]) -> torch.Tensor:
@@ -31,6 +31,24 @@ def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
     torch.testing.assert_close(exactly_two, torch.tensor([[0.0, 0.625, 0.0, 0.375]]))
     three = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.81))
     torch.testing.assert_close(three, torch.tensor([[0.15, 0.5, 0.0, 0.3]]) / 0.95)
+
+
+def test_top_p_over_a_large_vocabulary_keeps_the_prefix_a_whole_sort_gives() -> None:
+    """Beyond TOP_P_CANDIDATES tokens only the most likely ones are sorted, unless a row's nucleus is wider."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4 * TOP_P_CANDIDATES, generator=generator)
+    logits[:3] *= 12.0  # peaked rows: the nucleus lies among the candidates; the flat rows' does not
+    logits[3:] *= 0.1
+    probs = torch.softmax(logits, dim=-1)
+    candidate_mass = torch.topk(probs, TOP_P_CANDIDATES, dim=-1).values.sum(-1)
+    for top_p in (0.5, 0.9, 0.99):
+        assert bool((candidate_mass[:3] >= top_p).all()) and bool((candidate_mass[3:] < top_p).all())
+        sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        expected = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, sorted_ids, mass_before < top_p)
+        kept = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)) > 0
+        assert torch.equal(kept, expected)
+        assert 1 <= int(kept[:3].sum(-1).max()) < TOP_P_CANDIDATES < int(kept[3:].sum(-1).min())
 
 
 def test_top_p_always_keeps_the_most_likely_token() -> None:
@@ -73,3 +91,13 @@ def test_sample_follows_probs_and_never_picks_zero_probability() -> None:
     assert counts[1] == 0
     kept = [0, 2, 3]
     assert chisquare(counts[kept].numpy(), (target_probs[kept] * num_samples).numpy()).pvalue > 1e-3
+
+
+def test_sample_takes_unnormalized_rows_and_a_row_of_zeros_gives_token_0() -> None:
+    weights = torch.tensor([0.0, 2.0, 0.0, 6.0, 0.0, 0.0])  # zeros first, between and last
+    num_samples = 20_000
+    token_ids = sample(weights.expand(num_samples, -1), make_generator(11, "cpu"))  # [n]
+    counts = torch.bincount(token_ids, minlength=6).double()
+    assert counts[[0, 2, 4, 5]].sum() == 0
+    assert chisquare(counts[[1, 3]].numpy(), [num_samples / 4, 3 * num_samples / 4]).pvalue > 1e-3
+    assert sample(torch.zeros(3, 6), make_generator(0, "cpu")).tolist() == [0, 0, 0]

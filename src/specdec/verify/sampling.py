@@ -47,32 +47,56 @@ def _apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth_largest, float("-inf"))
 
 
+# On the CPU the nucleus is looked for among this many most likely tokens first: sorting all of Gemma-3's 262 144
+# logits cost 24 ms per row (385 ms for 16 rows, 20 times a batched decode step), the 1024 most likely 1 ms.
+TOP_P_CANDIDATES = 1024
+
+
 def _apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest prefix of tokens (most likely first) whose probability mass reaches top_p.
 
     A token is kept when the mass of the tokens sorted before it is still below top_p, so the most
-    likely token is always kept.
+    likely token is always kept. On the CPU only the TOP_P_CANDIDATES most likely tokens are sorted, unless
+    their mass stays below top_p (then that row's whole vocabulary is); the kept set is the same either way.
     """
     if top_p >= 1.0:
         return logits
-    sorted_logits, sorted_ids = torch.sort(logits, dim=-1, descending=True)  # [n, vocab] each
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [n, vocab]
+    probs = torch.softmax(logits, dim=-1)  # [n, vocab]
+    vocab_size = logits.shape[-1]
+    if logits.is_cuda or vocab_size <= TOP_P_CANDIDATES:  # a full sort (no host sync on the GPU)
+        return logits.masked_fill(~_nucleus(probs, top_p), float("-inf"))
+    top_probs, top_ids = torch.topk(probs, TOP_P_CANDIDATES, dim=-1)  # [n, candidates] each, most likely first
+    mass_before = torch.cumsum(top_probs, dim=-1) - top_probs  # [n, candidates]
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top_ids, mass_before < top_p)  # [n, vocab]
+    # every token beyond the candidates has at least their whole mass before it: dropped once that reaches top_p
+    wide_rows = ((mass_before[:, -1] + top_probs[:, -1]) < top_p).nonzero().squeeze(1)  # [rows]
+    if wide_rows.numel():
+        keep[wide_rows] = _nucleus(probs[wide_rows], top_p)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [n, vocab] -> keep [n, vocab] bool: the tokens of top-p's prefix, from a sort of the whole row."""
+    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)  # [n, vocab] each
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [n, vocab]
-    sorted_drop = mass_before >= top_p  # [n, vocab]
-    drop = torch.zeros_like(sorted_drop).scatter(-1, sorted_ids, sorted_drop)  # [n, vocab]
-    return logits.masked_fill(drop, float("-inf"))
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, sorted_ids, mass_before < top_p)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row via the exponential race argmax(probs / Exp(1)). probs [n, vocab] -> ids [n].
+    """One token per row, drawn with probability proportional to probs. probs [n, vocab] -> ids [n].
 
-    Exact for any (unnormalized) non-negative probs and needs no host sync; zero-probability tokens are
-    never chosen unless the whole row is zero.
+    probs: non-negative, not necessarily normalized. The inverse of each row's cumulative distribution (fp64) at
+    one uniform number per row: a zero-probability token is never chosen, and a row of zeros gives token 0.
+    (The exponential race argmax(probs / Exp(1)) used before drew vocab-many random numbers per row: 7.5 ms per
+    token over Gemma-3's 262 144 entries on this CPU, against 0.5 ms for the cumulative sums.)
     """
-    exponential_noise = torch.empty_like(probs).exponential_(generator=generator)  # [n, vocab]
-    # Exp(1) can round to 0; 0/0 would be NaN, which argmax would pick.
-    exponential_noise.clamp_(min=torch.finfo(exponential_noise.dtype).tiny)
-    return torch.argmax(probs / exponential_noise, dim=-1)
+    cumulative = torch.cumsum(probs.double(), dim=-1)  # [n, vocab]
+    total = cumulative[:, -1:].contiguous()  # [n, 1]
+    uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)  # [n, 1]
+    ids = torch.searchsorted(cumulative, uniform * total, right=True)  # [n, 1]: first cumulative above the draw
+    # the draw can round up to the total: the last token that raised the sum is then the one
+    last_positive = torch.searchsorted(cumulative, total, right=False)  # [n, 1]
+    return torch.minimum(ids, last_positive).squeeze(1)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
