@@ -34,21 +34,26 @@ def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
 
 
 def test_top_p_over_a_large_vocabulary_keeps_the_prefix_a_whole_sort_gives() -> None:
-    """Beyond TOP_P_CANDIDATES tokens only the most likely ones are sorted, unless a row's nucleus is wider."""
+    """Beyond the candidate tiers' sizes only the most likely tokens are sorted, tier by tier, unless a row's
+    nucleus is wider than the last tier."""
+    first, last = TOP_P_CANDIDATES[0], TOP_P_CANDIDATES[-1]
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 4 * TOP_P_CANDIDATES, generator=generator)
-    logits[:3] *= 12.0  # peaked rows: the nucleus lies among the candidates; the flat rows' does not
-    logits[3:] *= 0.1
+    logits = torch.randn(6, 2 * last, generator=generator)
+    logits[:2] *= 12.0  # peaked rows: their nucleus lies among the first tier's candidates
+    logits[2:4] *= 2.0  # the second tier's
+    logits[4:] *= 0.1  # nearly flat rows: wider than every tier
     probs = torch.softmax(logits, dim=-1)
-    candidate_mass = torch.topk(probs, TOP_P_CANDIDATES, dim=-1).values.sum(-1)
-    for top_p in (0.5, 0.9, 0.99):
-        assert bool((candidate_mass[:3] >= top_p).all()) and bool((candidate_mass[3:] < top_p).all())
-        sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        expected = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, sorted_ids, mass_before < top_p)
-        kept = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)) > 0
-        assert torch.equal(kept, expected)
-        assert 1 <= int(kept[:3].sum(-1).max()) < TOP_P_CANDIDATES < int(kept[3:].sum(-1).min())
+    top_p = 0.9
+    mass = [torch.topk(probs, k, dim=-1).values.sum(-1) for k in (first, last)]
+    assert bool((mass[0][:2] >= top_p).all() and (mass[0][2:] < top_p).all())
+    assert bool((mass[1][2:4] >= top_p).all() and (mass[1][4:] < top_p).all())
+    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    expected = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, sorted_ids, mass_before < top_p)
+    kept = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)) > 0
+    assert torch.equal(kept, expected)
+    sizes = kept.sum(-1).tolist()
+    assert max(sizes[:2]) < first < min(sizes[2:4]) and max(sizes[2:4]) < last < min(sizes[4:])
 
 
 def test_top_p_always_keeps_the_most_likely_token() -> None:
