@@ -77,13 +77,13 @@ def _apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         mass_before = torch.cumsum(top_probs, dim=-1) - top_probs  # [open rows, candidates]
         # every token beyond the candidates has at least their whole mass before it: dropped once that reaches top_p
         covered = (mass_before[:, -1] + top_probs[:, -1]) >= top_p  # [open rows]
-        open_rows = torch.arange(probs.shape[0]) if rows is None else rows
+        open_rows = torch.arange(probs.shape[0], device=probs.device) if rows is None else rows
         keep[open_rows[covered]] = torch.zeros_like(row_probs[covered], dtype=torch.bool).scatter(
             -1, top_ids[covered], mass_before[covered] < top_p)
         rows = open_rows[~covered]
         if rows.numel() == 0:
             return logits.masked_fill(~keep, float("-inf"))
-    rows = torch.arange(probs.shape[0]) if rows is None else rows
+    rows = torch.arange(probs.shape[0], device=probs.device) if rows is None else rows
     keep[rows] = _nucleus(probs[rows], top_p)
     return logits.masked_fill(~keep, float("-inf"))
 
