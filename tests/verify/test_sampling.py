@@ -106,3 +106,5 @@ def test_sample_takes_unnormalized_rows_and_a_row_of_zeros_gives_token_0() -> No
     assert counts[[0, 2, 4, 5]].sum() == 0
     assert chisquare(counts[[1, 3]].numpy(), [num_samples / 4, 3 * num_samples / 4]).pvalue > 1e-3
     assert sample(torch.zeros(3, 6), make_generator(0, "cpu")).tolist() == [0, 0, 0]
+    nan_rows = torch.tensor([[float("nan")] * 6, [1.0, float("nan"), 1.0, 0.0, 0.0, 0.0]])
+    assert all(0 <= token < 6 for token in sample(nan_rows, make_generator(0, "cpu")).tolist())

@@ -109,7 +109,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     ids = torch.searchsorted(cumulative, uniform * total, right=True)  # [n, 1]: first cumulative above the draw
     # the draw can round up to the total: the last token that raised the sum is then the one
     last_positive = torch.searchsorted(cumulative, total, right=False)  # [n, 1]
-    return torch.minimum(ids, last_positive).squeeze(1)
+    # a row with NaN (logits divided by a temperature so small that they overflow) still gives a token id
+    return torch.minimum(ids, last_positive).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
