@@ -64,35 +64,33 @@ def _apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     if top_p >= 1.0:
         return logits
     probs = torch.softmax(logits, dim=-1)  # [n, vocab]
-    vocab_size = logits.shape[-1]
+    vocab_size = probs.shape[-1]
     if logits.is_cuda:  # a full sort (no host sync on the GPU)
-        return logits.masked_fill(~_nucleus(probs, top_p), float("-inf"))
+        return logits.masked_fill(~_prefix_among(probs, vocab_size, top_p)[0], float("-inf"))
     keep = torch.zeros_like(probs, dtype=torch.bool)  # [n, vocab]
-    rows = None  # the rows still open (None: all)
-    for candidates in TOP_P_CANDIDATES:
-        if candidates >= vocab_size:
-            break
-        row_probs = probs if rows is None else probs[rows]  # [open rows, vocab]
-        top_probs, top_ids = torch.topk(row_probs, candidates, dim=-1)  # [open rows, candidates], most likely first
-        mass_before = torch.cumsum(top_probs, dim=-1) - top_probs  # [open rows, candidates]
-        # every token beyond the candidates has at least their whole mass before it: dropped once that reaches top_p
-        covered = (mass_before[:, -1] + top_probs[:, -1]) >= top_p  # [open rows]
-        open_rows = torch.arange(probs.shape[0], device=probs.device) if rows is None else rows
-        keep[open_rows[covered]] = torch.zeros_like(row_probs[covered], dtype=torch.bool).scatter(
-            -1, top_ids[covered], mass_before[covered] < top_p)
-        rows = open_rows[~covered]
+    rows = torch.arange(probs.shape[0], device=probs.device)  # the rows whose prefix is not found yet
+    for candidates in [k for k in TOP_P_CANDIDATES if k < vocab_size] + [vocab_size]:
+        row_keep, covered = _prefix_among(probs if rows.numel() == probs.shape[0] else probs[rows], candidates, top_p)
+        keep[rows[covered]] = row_keep[covered]
+        rows = rows[~covered]
         if rows.numel() == 0:
-            return logits.masked_fill(~keep, float("-inf"))
-    rows = torch.arange(probs.shape[0], device=probs.device) if rows is None else rows
-    keep[rows] = _nucleus(probs[rows], top_p)
+            break
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """probs [n, vocab] -> keep [n, vocab] bool: the tokens of top-p's prefix, from a sort of the whole row."""
-    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)  # [n, vocab] each
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [n, vocab]
-    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, sorted_ids, mass_before < top_p)
+def _prefix_among(probs: torch.Tensor, candidates: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p's prefix among each row's `candidates` most likely tokens. probs [n, vocab] -> keep [n, vocab] bool,
+    covered [n] bool: the prefix ends among the candidates (every token beyond them has at least their whole mass
+    before it), always true when the candidates are the whole vocabulary."""
+    if candidates >= probs.shape[-1]:
+        top_probs, top_ids = torch.sort(probs, dim=-1, descending=True)  # [n, vocab] each
+    else:
+        top_probs, top_ids = torch.topk(probs, candidates, dim=-1)  # [n, candidates] each, most likely first
+    mass_before = torch.cumsum(top_probs, dim=-1) - top_probs  # [n, candidates]
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, top_ids, mass_before < top_p)  # [n, vocab]
+    if candidates >= probs.shape[-1]:
+        return keep, torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
+    return keep, (mass_before[:, -1] + top_probs[:, -1]) >= top_p
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
