@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import specdec.models.transformer as transformer_module
-from specdec.engine.batch import ForwardBatch
+from specdec.engine.cost_model import prefilled_row_batches
 from specdec.models.layers import Linear
 
 TIMED_KERNELS = ("attention", "rms_norm", "qk_norm_rope", "gated_activation")
@@ -72,11 +72,7 @@ def forward_breakdown(model, cache, slot: int, context: int, rows: Sequence[int]
                       rounds: int = 3) -> ForwardBreakdown:
     """Per-part seconds of one forward of n new tokens of one sequence after `context` cached tokens (random ids,
     prefilled into `slot` first), n in rows."""
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (context + max(rows),), generator=generator).tolist()
-    model.forward(ForwardBatch.build([prompt[:context]], [0], [slot], all_logits=False, device=model.device), cache)
-    batches = {n: ForwardBatch.build([prompt[context : context + n]], [context], [slot], all_logits=True,
-                                     device=model.device) for n in rows}
+    batches = prefilled_row_batches(model, cache, slot, context, rows, max(rows))
     totals: dict[int, list[float]] = defaultdict(list)
     parts: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for _ in range(rounds):

@@ -401,6 +401,18 @@ def measure_cost_profile(model, max_rows: int = MAX_PROFILE_ROWS) -> CostProfile
     return CostProfile(forward, context)
 
 
+def prefilled_row_batches(model, cache, slot: int, context: int, row_counts: SequenceOf[int], max_rows: int) -> dict:
+    """Prefills `context` random token ids (seed 0; max_rows more drawn after them) into `slot` and returns, per n in
+    row_counts, the batch of the next n of them: {n: ForwardBatch}, every logit row wanted."""
+    from specdec.engine.batch import ForwardBatch
+
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (context + max_rows,), generator=generator).tolist()
+    model.forward(ForwardBatch.build([prompt[:context]], [0], [slot], all_logits=False, device=model.device), cache)
+    return {rows: ForwardBatch.build([prompt[context : context + rows]], [context], [slot], all_logits=True,
+                                     device=model.device) for rows in row_counts}
+
+
 def forward_seconds(model, cache, slot: int, context: int, max_rows: int, repeats: int,
                     row_counts: SequenceOf[int] | None = None) -> list[float]:
     """Seconds of one forward of n new tokens of one sequence after `context` cached tokens (random token ids,
@@ -411,15 +423,10 @@ def forward_seconds(model, cache, slot: int, context: int, max_rows: int, repeat
     process on the cores) then scales both sides of a ratio instead of bending the curve — measured here, three
     unpaired rounds once put T(9) / T(1) at 1.88 against 1.47 idle, and the policy planned shorter drafts with it.
     """
-    from specdec.engine.batch import ForwardBatch
-
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (context + max_rows,), generator=generator).tolist()
-    model.forward(ForwardBatch.build([prompt[:context]], [0], [slot], all_logits=False, device=model.device), cache)
-    batches = [ForwardBatch.build([prompt[context : context + rows]], [context], [slot], all_logits=True,
-                                  device=model.device) for rows in (row_counts or range(1, max_rows + 1))]
-    one_row_batch = ForwardBatch.build([prompt[context : context + 1]], [context], [slot], all_logits=True,
-                                       device=model.device)
+    by_rows = prefilled_row_batches(model, cache, slot, context, sorted({1, *(row_counts or range(1, max_rows + 1))}),
+                                    max_rows)
+    batches = [by_rows[rows] for rows in (row_counts or range(1, max_rows + 1))]
+    one_row_batch = by_rows[1]
     for batch in batches:
         model.forward(batch, cache)  # warm-up
     one_row_times: list[float] = []
