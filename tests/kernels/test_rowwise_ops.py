@@ -46,6 +46,22 @@ def test_rms_norm_simd_and_scalar_paths_give_the_same_bits(dim):
         ops._set_force_scalar(False)
 
 
+@pytest.mark.parametrize("dim", [32, 64, 128, 256, 40])
+def test_rope_simd_and_scalar_paths_give_the_same_bits(dim):
+    qkv, positions, cos, sin = _qkv_case(3, 1, dim, seed=dim + 7)
+    qkv = qkv * 1e3  # [tokens, (H + 2 Hkv) * D]
+    qkv[0, :dim] = 0.0  # signed zeros through the negated half
+    shape = ops.QKNormRope(3, 1, dim, 1e-6)
+    simd_qk = ops.qk_norm_rope(qkv, shape, None, None, cos, sin, positions)
+    ops._set_force_scalar(True)
+    try:
+        scalar_qk = ops.qk_norm_rope(qkv, shape, None, None, cos, sin, positions)
+    finally:
+        ops._set_force_scalar(False)
+    assert all(torch.equal(a, b) for a, b in zip(scalar_qk, simd_qk))
+    assert torch.equal(simd_qk[0].signbit(), scalar_qk[0].signbit())
+
+
 def test_rms_norm_rejects_a_weight_of_the_wrong_size():
     with pytest.raises(RuntimeError, match="weight must be"):
         ops.rms_norm(torch.randn(2, 64), torch.randn(32), 1e-6)

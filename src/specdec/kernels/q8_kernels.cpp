@@ -1418,6 +1418,38 @@ inline void rope_row(const float* x, const float* cos, const float* sin, int64_t
   for (int64_t j = half; j < D; ++j) out[j] = x[j] * cos[j] + x[j - half] * sin[j];
 }
 
+#ifdef SPECDEC_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+// rope_row 16 lanes at a time with the same operations (two products, each rounded, then their sum; negating a
+// product's factor negates the rounded product exactly); half = D / 2 must be a multiple of 16.
+void rope_row_avx(const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  const __m512i sign = _mm512_set1_epi32(int32_t(0x80000000u));
+  for (int64_t j = 0; j < half; j += 16) {
+    const __m512 lo = _mm512_loadu_ps(x + j), hi = _mm512_loadu_ps(x + j + half);
+    const __m512 minus_hi = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(hi), sign));
+    _mm512_storeu_ps(out + j, _mm512_add_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(cos + j)),
+                                            _mm512_mul_ps(minus_hi, _mm512_loadu_ps(sin + j))));
+    _mm512_storeu_ps(out + j + half, _mm512_add_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(cos + j + half)),
+                                                   _mm512_mul_ps(lo, _mm512_loadu_ps(sin + j + half))));
+  }
+}
+#pragma GCC pop_options
+#endif
+
+// rope_row on the SIMD path when avx and D / 2 is a multiple of 16, else the scalar one (the same bits).
+inline void rope_row_any(bool avx, const float* x, const float* cos, const float* sin, int64_t D, float* out) {
+#ifdef SPECDEC_X86
+  if (avx && D % 32 == 0) {
+    rope_row_avx(x, cos, sin, D, out);
+    return;
+  }
+#endif
+  (void)avx;
+  rope_row(x, cos, sin, D, out);
+}
+
 torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& w_in, double eps) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "rms_norm: fp32 only");
   const int64_t D = x_in.size(-1);
@@ -1481,7 +1513,7 @@ std::vector<torch::Tensor> qk_norm_rope(const torch::Tensor& qkv, int64_t H, int
           x = normed.data();
         }
         float* out = is_q ? query.data_ptr<float>() + (t * H + h) * D : key.data_ptr<float>() + (t * Hkv + h - H) * D;
-        rope_row(x, c, s, D, out);
+        rope_row_any(avx, x, c, s, D, out);
       }
     }
   });

@@ -205,7 +205,8 @@ class Transformer:
             qkv = layer.qkv_proj(normed)  # [rows, (H + 2 Hkv) * D]
         else:  # keys/values of every row; the query part left zero (its rows are not read)
             qkv = torch.cat([normed.new_zeros(rows, q_size), self._last_kv_proj(normed)], dim=1)
-        value = qkv[:, q_size + kv_size :].reshape(rows, config.num_kv_heads, config.head_dim)
+        # a view of qkv's columns (strided rows: the cache write reads them in place)
+        value = qkv[:, q_size + kv_size :].unflatten(1, (config.num_kv_heads, config.head_dim))
         query, key = qk_norm_rope(qkv, self.qk_shape, layer.q_norm, layer.k_norm, cos, sin, batch.positions)
         cache.write(index, batch.slots, batch.cache_positions, key, value)
         key_start, key_end, tree_keys = key_range
