@@ -104,19 +104,23 @@ def test_row_units_cover_the_padded_row_with_one_epilogue_per_unit():
 
 
 @pytest.mark.parametrize("k,n", [(100, 9), (576, 37), (640, 20), (768, 9), (896, 130), (960, 41), (2048, 64), (2624, 13),
-                                 (4096, 24), (8960, 22)])
+                                 (4096, 24), (8960, 22), (640, 213), (1536, 500)])
 def test_scalar_path_matches_simd(k, n, layout):
+    """Also with many row tiles (213 and 500 outputs: 14 and 32 tiles of 16), which the SIMD paths walk as several
+    weight streams side by side plus the tiles left over, for every row count up to a full block of 16 and beyond."""
     if layout == "amx" and not ops.amx_available():
         pytest.skip("this CPU has no AMX-INT8: the amx layout runs its scalar path only")
     w, x, bias = _data(k, n, m=20)
     qw = ops.quantize_weight(w, layout)
-    y = ops.q8_linear(x, qw, bias)
+    row_counts = (1, 2, 3, 4, 5, 8, 16, 20) if n > 200 else (20,)
+    simd = [ops.q8_linear(x[:m], qw, bias) for m in row_counts]
     ops._set_force_scalar(True)
     try:
-        ys = ops.q8_linear(x, qw, bias)
+        scalar = [ops.q8_linear(x[:m], qw, bias) for m in row_counts]
     finally:
         ops._set_force_scalar(False)
-    assert torch.equal(y, ys)
+    for m, y, ys in zip(row_counts, simd, scalar):
+        assert torch.equal(y, ys), f"M={m}"
 
 
 def _act_scales(x, k):
