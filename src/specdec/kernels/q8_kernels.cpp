@@ -1856,6 +1856,31 @@ inline void amx_store_rows(const __m512 (&fa)[MR], const float* bias, float* y, 
   for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * N + n0, mask, bias ? _mm512_add_ps(fa[m], bv) : fa[m]);
 }
 
+// Zeroed accumulators fa[S][MR] and the weight bases of the S row tiles t[0 .. S) (amx layout).
+template <int MR, int S>
+__attribute__((always_inline)) inline void start_row_tiles(const int8_t* W, int64_t NB, const int64_t* t,
+                                                           __m512 (&fa)[S][MR], const int8_t* (&wt)[S]) {
+#pragma GCC unroll 16
+  for (int s = 0; s < S; ++s) {
+    wt[s] = W + t[s] * NB * kAmxTile;
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) fa[s][m] = _mm512_setzero_ps();
+  }
+}
+
+// Row tiles [t0, t1) cut into S consecutive runs walked side by side: side_by_side(t) for t[s] = the i-th tile of
+// run s, i = 0, 1, ...; then alone(&t) for each tile left over.
+template <int S, class SideBySide, class Alone>
+inline void walk_row_tiles(int64_t t0, int64_t t1, const SideBySide& side_by_side, const Alone& alone) {
+  const int64_t run = (t1 - t0) / S;
+  for (int64_t i = 0; i < run; ++i) {
+    int64_t t[S];
+    for (int s = 0; s < S; ++s) t[s] = t0 + s * run + i;
+    side_by_side(t);
+  }
+  for (int64_t t = t0 + S * run; t < t1; ++t) alone(&t);
+}
+
 // y[m][16 t .. 16 t + 16) for the MR activation rows at xq (row stride Kp), for S row tiles t[0 .. S) at once
 // (S <= kAmxStreams): block by block, the block's activations loaded once, one TDPBSSD per row tile, so that S weight
 // streams are in flight (see vnni_tile_rows). Each tile's operations are those of a tile alone, in the same order.
@@ -1869,13 +1894,8 @@ __attribute__((always_inline)) inline void amx_tile_rows(const int8_t* W, const 
   const int64_t NB = Kp / 32;
   alignas(64) int32_t cbuf[S][kAmxRows * 16];
   __m512 fa[S][MR];
-#pragma GCC unroll 16
-  for (int s = 0; s < S; ++s)
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) fa[s][m] = _mm512_setzero_ps();
   const int8_t* wt[S];
-#pragma GCC unroll 4
-  for (int s = 0; s < S; ++s) wt[s] = W + t[s] * NB * kAmxTile;
+  start_row_tiles<MR, S>(W, NB, t, fa, wt);
   for (int64_t b = 0; b < NB; ++b) {
 #pragma GCC unroll 4
     for (int s = 0; s < S; ++s) {  // each weight stream, kAmxPrefetch bytes ahead (the hardware prefetcher alone: 15 % slower)
@@ -1973,13 +1993,9 @@ inline void amx_tile_range(const int8_t* W, const uint16_t* tscale, const int8_t
     for (int64_t t = t0; t < t1; ++t) amx_tile_block_pairs<MR>(W, tscale, xq, xs, Kp, bias, y, N, t);
     return;
   }
-  const int64_t run = (t1 - t0) / kAmxStreams;
-  for (int64_t i = 0; i < run; ++i) {
-    int64_t t[kAmxStreams];
-    for (int s = 0; s < kAmxStreams; ++s) t[s] = t0 + s * run + i;
-    amx_tile_rows<MR, kAmxStreams>(W, tscale, xq, xs, Kp, bias, y, N, t);
-  }
-  for (int64_t t = t0 + kAmxStreams * run; t < t1; ++t) amx_tile_rows<MR, 1>(W, tscale, xq, xs, Kp, bias, y, N, &t);
+  walk_row_tiles<kAmxStreams>(
+      t0, t1, [&](const int64_t* t) { amx_tile_rows<MR, kAmxStreams>(W, tscale, xq, xs, Kp, bias, y, N, t); },
+      [&](const int64_t* t) { amx_tile_rows<MR, 1>(W, tscale, xq, xs, Kp, bias, y, N, t); });
 }
 
 // The same outputs as amx_tile_rows with AVX-512 VNNI instead of tiles, for 1 to kAmxVnniRows activation rows
@@ -1995,13 +2011,8 @@ __attribute__((always_inline)) inline void vnni_tile_rows(const int8_t* W, const
                                                           const float* bias, float* y, int64_t N, const int64_t* t) {
   const int64_t NB = Kp / 32;
   __m512 fa[S][MR];
-#pragma GCC unroll 16
-  for (int s = 0; s < S; ++s)
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) fa[s][m] = _mm512_setzero_ps();
   const int8_t* wt[S];
-#pragma GCC unroll 16
-  for (int s = 0; s < S; ++s) wt[s] = W + t[s] * NB * kAmxTile;
+  start_row_tiles<MR, S>(W, NB, t, fa, wt);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < NB; ++b) {
     __m512i acc[S][MR];
@@ -2047,13 +2058,9 @@ template <int MR>
 inline void vnni_tile_range(const int8_t* W, const uint16_t* tscale, const int8_t* xq, const float* xs,
                             const int32_t* xsum, int64_t Kp, const float* bias, float* y, int64_t N, int64_t t0,
                             int64_t t1) {
-  const int64_t run = (t1 - t0) / kVnniStreams;
-  for (int64_t i = 0; i < run; ++i) {
-    int64_t t[kVnniStreams];
-    for (int s = 0; s < kVnniStreams; ++s) t[s] = t0 + s * run + i;
-    vnni_tile_rows<MR, kVnniStreams>(W, tscale, xq, xs, xsum, Kp, bias, y, N, t);
-  }
-  for (int64_t t = t0 + kVnniStreams * run; t < t1; ++t) vnni_tile_rows<MR, 1>(W, tscale, xq, xs, xsum, Kp, bias, y, N, &t);
+  walk_row_tiles<kVnniStreams>(
+      t0, t1, [&](const int64_t* t) { vnni_tile_rows<MR, kVnniStreams>(W, tscale, xq, xs, xsum, Kp, bias, y, N, t); },
+      [&](const int64_t* t) { vnni_tile_rows<MR, 1>(W, tscale, xq, xs, xsum, Kp, bias, y, N, t); });
 }
 
 // Row tiles [t0, t1) x activation rows [m0, m1), in row blocks of up to 16. configured: the row count this call
