@@ -2089,6 +2089,7 @@ void linear_amx_layout_amx(const int8_t* W, const uint16_t* tscale, const int8_t
     const int8_t* xm = xq + m * Kp;
     const float* sm = xs + m * NB;
     float* ym = y + m * N;
+    static_assert(kAmxVnniRows == 4, "blocks of 1 to 4 rows take VNNI above: the tile cases start at 5");
     switch (mr) {
 #define SPECDEC_AMX_CASE(R) \
   case R: amx_tile_range<R>(W, tscale, xm, sm, Kp, bias, ym, N, t0, t1, from_memory); break;
