@@ -6,14 +6,16 @@ import torch
 from specdec.kernels import ops
 
 
-@pytest.fixture(params=[(1, False), (2, False), (2, True)], ids=["1thread", "2threads", "2threads-scalar"])
+@pytest.fixture(params=[(1, path) for path in ops.KERNEL_ISAS] + [(2, path) for path in ops.KERNEL_ISAS],
+                ids=lambda param: f"{param[0]}thread-{param[1]}")
 def setting(request):
-    threads, scalar = request.param
+    threads, path = request.param
+    if path not in ops.supported_isas():
+        pytest.skip(f"this CPU cannot run the {path} kernels")
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
-    ops._set_force_scalar(scalar)
-    yield request.param
-    ops._set_force_scalar(False)
+    with ops.forced_isa(path):
+        yield request.param
     torch.set_num_threads(old)
 
 

@@ -101,15 +101,11 @@ def test_thread_count_invariance():
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.skipif(ops.kernel_isa() != "avx512vnni", reason="needs the AVX-512 path")
-def test_scalar_path_matches_simd():
+def test_scalar_path_matches_simd(vector_path):
     args = _case(9, 3, 64)
     out = ops.attention(*args)
-    ops._set_force_scalar(True)
-    try:
+    with ops.forced_isa("scalar"):
         outs = ops.attention(*args)
-    finally:
-        ops._set_force_scalar(False)
     assert torch.equal(out, outs)
 
 
@@ -148,35 +144,29 @@ def test_shared_kv_rows_bitwise(hq, hkv, d, window, threads):
             assert torch.equal(ops.attention(q[sl], kc, vc, slots[sl], ks[sl], ke[sl], scale), full[sl])
         perm = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(2))
         assert torch.equal(ops.attention(q[perm], kc, vc, slots[perm], ks[perm], ke[perm], scale), full[perm])
-        if ops.kernel_isa() == "avx512vnni":
-            ops._set_force_scalar(True)
-            try:
-                assert torch.equal(ops.attention(q, kc, vc, slots, ks, ke, scale), full)
-            finally:
-                ops._set_force_scalar(False)
+        for path in ops.supported_isas():  # every kernel path, the same bits
+            with ops.forced_isa(path):
+                assert torch.equal(ops.attention(q, kc, vc, slots, ks, ke, scale), full), path
     finally:
         torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("hq,hkv,d", CONFIGS + [(4, 2, 24)])  # D = 24 takes the scalar path
-@pytest.mark.parametrize("force_scalar", [False, True])
-def test_fp16_cache_gives_bitwise_the_fp32_result_of_its_values(hq, hkv, d, force_scalar):
+@pytest.mark.parametrize("path", ops.KERNEL_ISAS)
+def test_fp16_cache_gives_bitwise_the_fp32_result_of_its_values(hq, hkv, d, path):
     """An fp16 cache is read as exact fp32 values: the result equals the fp32 kernel on those values, bit for
     bit, on both paths (so everything proven for fp32 caches -- row, thread and tree invariance -- carries over),
     and it stays row invariant in a verify block beside other slots."""
-    if force_scalar and ops.kernel_isa() != "avx512vnni":
-        pytest.skip("the scalar path is the only path here; covered by force_scalar=False")
+    if path not in ops.supported_isas():
+        pytest.skip(f"this CPU cannot run the {path} kernels")
     q, kc, vc, slots, ks, ke, scale = _verify_block(hq, hkv, d, window=64)
     kc16, vc16 = kc.half(), vc.half()
-    ops._set_force_scalar(force_scalar)
-    try:
+    with ops.forced_isa(path):
         full = ops.attention(q, kc16, vc16, slots, ks, ke, scale)
         assert torch.equal(full, ops.attention(q, kc16.float(), vc16.float(), slots, ks, ke, scale))
         for i in range(q.shape[0]):
             sl = slice(i, i + 1)
             assert torch.equal(ops.attention(q[sl], kc16, vc16, slots[sl], ks[sl], ke[sl], scale), full[sl]), f"row {i}"
-    finally:
-        ops._set_force_scalar(False)
     torch.testing.assert_close(full, _reference(q, kc16.float(), vc16.float(), slots, ks, ke, scale), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ops._attention_torch(q, kc16, vc16, slots, ks, ke, scale), full, atol=1e-5, rtol=1e-5)
 

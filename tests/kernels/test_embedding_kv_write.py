@@ -5,11 +5,13 @@ import torch
 from specdec.kernels import QuantizedWeight, ops
 
 
-@pytest.fixture(params=[False, True], ids=["simd", "scalar"])
+@pytest.fixture(params=ops.KERNEL_ISAS)
 def scalar(request):
-    ops._set_force_scalar(request.param)
-    yield request.param
-    ops._set_force_scalar(False)
+    """Each kernel path this CPU runs (every one must give the torch expression's bits)."""
+    if request.param not in ops.supported_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    with ops.forced_isa(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("layout", ops.Q8_LAYOUTS)

@@ -28,7 +28,7 @@ def test_rms_norm_matches_torch_and_is_row_invariant(dim):
 
 
 @pytest.mark.parametrize("dim", [640, 576, 40, 7, 256])
-def test_rms_norm_simd_and_scalar_paths_give_the_same_bits(dim):
+def test_rms_norm_simd_and_scalar_paths_give_the_same_bits(dim, vector_path):
     generator = _generator(dim + 1)
     hidden = torch.randn(5, dim, generator=generator) * 30.0  # [rows, dim]
     weight = torch.randn(dim, generator=generator)
@@ -37,27 +37,21 @@ def test_rms_norm_simd_and_scalar_paths_give_the_same_bits(dim):
     shape = ops.QKNormRope(4, 1, qkv.shape[1] // 6, 1e-6)
     norms = (torch.rand(shape.head_dim) + 0.5, torch.rand(shape.head_dim) + 0.5)
     simd_qk = ops.qk_norm_rope(qkv, shape, *norms, cos, sin, positions)
-    ops._set_force_scalar(True)
-    try:
+    with ops.forced_isa("scalar"):
         assert torch.equal(ops.rms_norm(hidden, weight, 1e-6), simd)
         scalar_qk = ops.qk_norm_rope(qkv, shape, *norms, cos, sin, positions)
         assert all(torch.equal(a, b) for a, b in zip(scalar_qk, simd_qk))
-    finally:
-        ops._set_force_scalar(False)
 
 
 @pytest.mark.parametrize("dim", [32, 64, 128, 256, 40])
-def test_rope_simd_and_scalar_paths_give_the_same_bits(dim):
+def test_rope_simd_and_scalar_paths_give_the_same_bits(dim, vector_path):
     qkv, positions, cos, sin = _qkv_case(3, 1, dim, seed=dim + 7)
     qkv = qkv * 1e3  # [tokens, (H + 2 Hkv) * D]
     qkv[0, :dim] = 0.0  # signed zeros through the negated half
     shape = ops.QKNormRope(3, 1, dim, 1e-6)
     simd_qk = ops.qk_norm_rope(qkv, shape, None, None, cos, sin, positions)
-    ops._set_force_scalar(True)
-    try:
+    with ops.forced_isa("scalar"):
         scalar_qk = ops.qk_norm_rope(qkv, shape, None, None, cos, sin, positions)
-    finally:
-        ops._set_force_scalar(False)
     assert all(torch.equal(a, b) for a, b in zip(scalar_qk, simd_qk))
     assert torch.equal(simd_qk[0].signbit(), scalar_qk[0].signbit())
 
@@ -109,16 +103,13 @@ def test_qk_norm_rope_rejects_positions_past_the_table():
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("inter", [2048, 37])
-def test_gated_activation_matches_torch_and_scalar_path(activation, inter):
+def test_gated_activation_matches_torch_and_scalar_path(activation, inter, vector_path):
     gate_up = torch.randn(5, 2 * inter, generator=_generator(inter)) * 4.0  # [rows, 2 * inter]
     gate_up[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -1e-30])  # saturation and zero
     out = ops.gated_activation(gate_up, activation)
     torch.testing.assert_close(out, ops._gated_activation_torch(gate_up, activation), rtol=2e-6, atol=2e-6)
-    ops._set_force_scalar(True)
-    try:
-        assert torch.equal(ops.gated_activation(gate_up, activation), out)  # scalar = AVX-512, lane by lane
-    finally:
-        ops._set_force_scalar(False)
+    with ops.forced_isa("scalar"):
+        assert torch.equal(ops.gated_activation(gate_up, activation), out)  # scalar = the vector path, lane by lane
     for row in range(gate_up.shape[0]):
         assert torch.equal(ops.gated_activation(gate_up[row : row + 1], activation), out[row : row + 1])
 

@@ -57,13 +57,12 @@ def _chain_reference(q, kc, vc, slots, window, scale):
     return torch.cat(outs)
 
 
-@pytest.fixture(params=["avx512", "scalar"])
+@pytest.fixture(params=ops.KERNEL_ISAS)
 def isa(request):
-    if request.param == "avx512" and ops.kernel_isa() != "avx512vnni":
-        pytest.skip("no AVX-512 VNNI on this machine")
-    ops._set_force_scalar(request.param == "scalar")
-    yield request.param
-    ops._set_force_scalar(False)
+    if request.param not in ops.supported_isas():
+        pytest.skip(f"this CPU cannot run the {request.param} kernels")
+    with ops.forced_isa(request.param):
+        yield request.param
 
 
 @pytest.mark.skipif(not ops.kernels_available(), reason="compiled kernels unavailable")

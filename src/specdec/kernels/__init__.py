@@ -7,6 +7,7 @@ from specdec.kernels.ops import (
     attention,
     build_kernels,
     embedding,
+    forced_isa,
     gated_activation,
     kernel_isa,
     kernels_available,
@@ -15,6 +16,7 @@ from specdec.kernels.ops import (
     qk_norm_rope,
     quantize_weight,
     rms_norm,
+    supported_isas,
 )
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "attention",
     "build_kernels",
     "embedding",
+    "forced_isa",
     "gated_activation",
     "kernel_isa",
     "kernels_available",
@@ -32,4 +35,5 @@ __all__ = [
     "qk_norm_rope",
     "quantize_weight",
     "rms_norm",
+    "supported_isas",
 ]

@@ -4,9 +4,11 @@ The compiled extension (``q8_kernels.cpp``) is built lazily with
 ``torch.utils.cpp_extension.load`` on first use (or eagerly via
 :func:`build_kernels`) into ``$XDG_CACHE_HOME/specdec/kernels/<hash>``.
 
-Guarantees of the CPU kernel (AVX-512 VNNI, AMX-INT8 where the CPU has it, or the
-portable scalar path, which performs the same operations and is bitwise identical
-to the SIMD path of the same weight layout; see :func:`default_q8_layout`):
+Guarantees of the CPU kernels. One binary holds four paths -- scalar (portable, the executable
+specification), avx2 (AVX2 + FMA + F16C), avx512 (AVX-512 VNNI) and amx (AMX-INT8 tiles) -- and runs the best
+the CPU has (``SPECDEC_KERNEL_ISA=scalar|avx2|avx512|amx`` forces one the CPU supports, and refuses one it does
+not). All paths perform the same operations in the same order on a weight layout and give the same bits (see
+:func:`default_q8_layout` for the layouts):
 
 * every output element is computed with a fixed reduction order that does not
   depend on the number of rows M, on the contents of the other rows, or on the
@@ -24,6 +26,7 @@ Set ``SPECDEC_DISABLE_KERNELS=1`` to force the fallback.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -47,10 +50,18 @@ __all__ = [
     "kernels_available",
     "build_kernels",
     "kernel_isa",
+    "supported_isas",
+    "forced_isa",
     "kernel_build_id",
 ]
 
 _SRC = Path(__file__).with_name("q8_kernels.cpp")
+
+
+def _sources() -> list[Path]:
+    """The translation unit and the headers it includes (csrc/): a change of any of them is a new build."""
+    return [_SRC, *sorted(_SRC.with_name("csrc").glob("*.h"))]
+
 # -fopenmp: at::parallel_for is an inline template compiled into this extension; without OpenMP its parallel
 # regions run on one thread. The extension then links libgomp.so.1 by soname, which resolves to the copy torch
 # has already loaded, so both share one thread pool.
@@ -67,7 +78,8 @@ BLOCK = 32  # activation quantization block
 def _build_dir() -> tuple[str, str]:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     h = hashlib.sha256()
-    h.update(_SRC.read_bytes())
+    for source in _sources():
+        h.update(source.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     digest = h.hexdigest()[:16]
@@ -97,14 +109,32 @@ def build_kernels(verbose: bool = False):
 
 @functools.cache
 def _load():
-    """The loaded extension module, or None (disabled / build failed)."""
+    """The loaded extension module with its ISA path chosen (``SPECDEC_KERNEL_ISA`` or the best the CPU runs), or
+    None (disabled / build failed). A forced path the CPU cannot run raises: it is never replaced silently."""
     if os.environ.get("SPECDEC_DISABLE_KERNELS", "") not in ("", "0"):
         return None
     try:
-        return _build()
+        ext = _build()
     except Exception as exc:  # pragma: no cover - depends on the toolchain
         warnings.warn(f"specdec kernels unavailable, using torch fallback: {exc}", RuntimeWarning, stacklevel=2)
         return None
+    forced = os.environ.get("SPECDEC_KERNEL_ISA", "")
+    if forced:
+        _check_isa(ext, forced, "SPECDEC_KERNEL_ISA")
+        ext.set_isa(forced)
+    return ext
+
+
+KERNEL_ISAS = ("scalar", "avx2", "avx512", "amx")  # the kernel paths, slowest first; each gives the same bits
+
+
+def _check_isa(ext, name: str, origin: str) -> None:
+    if name not in KERNEL_ISAS:
+        raise ValueError(f"{origin}={name!r}: choose one of {', '.join(KERNEL_ISAS)}")
+    supported = list(ext.supported_isas())
+    if name not in supported:
+        raise RuntimeError(f"{origin}={name!r}: this CPU cannot run the {name} kernels "
+                           f"(it runs {', '.join(supported)})")
 
 
 def kernels_available() -> bool:
@@ -113,34 +143,50 @@ def kernels_available() -> bool:
 
 
 def kernel_isa() -> str:
-    """'avx512vnni', 'scalar' (compiled portable path) or 'torch' (fallback)."""
+    """The kernel path this process runs: 'amx', 'avx512', 'avx2', 'scalar' (the portable compiled path), or
+    'torch' (the fallback: not row invariant)."""
     ext = _load()
     return "torch" if ext is None else ext.isa()
 
 
+def supported_isas() -> tuple[str, ...]:
+    """The kernel paths this CPU can run, slowest first ('scalar' always; () without the extension)."""
+    ext = _load()
+    return () if ext is None else tuple(ext.supported_isas())
+
+
+@contextlib.contextmanager
+def forced_isa(name: str):
+    """Runs the block on kernel path ``name`` (tests and A/B benchmarks), then restores the previous one.
+    Weights packed before keep their layout: the "amx" layout runs on the amx and avx512 paths (its scalar path
+    elsewhere), the "vnni" layout on every path."""
+    ext = _load()
+    if ext is None:
+        raise RuntimeError("the CPU kernels are not built")
+    _check_isa(ext, name, "forced_isa")
+    previous = ext.isa()
+    ext.set_isa(name)
+    try:
+        yield
+    finally:
+        ext.set_isa(previous)
+
+
 def kernel_build_id() -> str:
-    """Which kernels run: 'q8-<hash of source, torch version and flags>' of the extension this process loaded
-    (with '-amx' where weights are packed in the AMX layout), else 'torch' (fallback). Measured cost profiles are
-    keyed by it, so a changed kernel is profiled again. It names the loaded build, not the source on disk: a
-    process that outlives an edit of the source must not file what its old kernels measure under the new build's
-    key."""
+    """Which kernels run: 'q8-<hash of source, torch version and flags>-<isa>' of the extension this process
+    loaded, else 'torch' (fallback). Measured cost profiles are keyed by it, so a changed kernel or another ISA
+    path is profiled again. It names the loaded build, not the source on disk: a process that outlives an edit of
+    the source must not file what its old kernels measure under the new build's key."""
     ext = _load()
     if ext is None:
         return "torch"
-    return "q8-" + ext.__name__.removeprefix("specdec_q8_") + ("-amx" if default_q8_layout() == "amx" else "")
+    return "q8-" + ext.__name__.removeprefix("specdec_q8_") + "-" + ext.isa()
 
 
 def parallel_threads(n: int) -> int:
     """Testing hook: how many distinct threads the extension's parallel loops use for n items (0: no extension)."""
     ext = _load()
     return 0 if ext is None else int(ext.parallel_threads(int(n)))
-
-
-def _set_force_scalar(flag: bool) -> None:
-    """Testing hook: force the portable scalar C++ path."""
-    ext = _load()
-    if ext is not None:
-        ext.set_force_scalar(bool(flag))
 
 
 # --------------------------------------------------------------------------- weight layout
@@ -193,20 +239,20 @@ Q8_LAYOUTS = ("vnni", "amx")
 
 def amx_available() -> bool:
     """True if this CPU has AMX-INT8 and the OS granted this process its tile state (needs the extension)."""
-    ext = _load()
-    return ext is not None and bool(ext.amx_available())
+    return "amx" in supported_isas()
 
 
 def default_q8_layout() -> str:
-    """The weight layout `quantize_weight` packs for: "amx" where the CPU has AMX-INT8 (one tile instruction per
-    16 output rows and block of 32 inputs), else "vnni". ``SPECDEC_Q8_LAYOUT=vnni|amx`` overrides it (to compare
-    the two on one machine; "amx" without AMX runs the portable scalar path of that layout)."""
+    """The weight layout `quantize_weight` packs for: "amx" when the kernels run on the amx path (one tile
+    instruction per 16 output rows and block of 32 inputs), else "vnni". ``SPECDEC_Q8_LAYOUT=vnni|amx`` overrides
+    it (to compare the two on one machine; the "amx" layout runs on the amx and avx512 paths, and on the portable
+    scalar path of that layout elsewhere)."""
     chosen = os.environ.get("SPECDEC_Q8_LAYOUT", "")
     if chosen:
         if chosen not in Q8_LAYOUTS:
             raise ValueError(f"SPECDEC_Q8_LAYOUT={chosen!r}: choose one of {', '.join(Q8_LAYOUTS)}")
         return chosen
-    return "amx" if amx_available() else "vnni"
+    return "amx" if kernel_isa() == "amx" else "vnni"
 
 
 def _pack_amx(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,198 @@
+// The int8 linear on the "vnni" weight layout (see linear.h for the layout and the reduction order), AVX2:
+// 4 weight rows x up to 2 activation rows per tile. Included inside namespace avx2 (see q8_kernels.cpp).
+//
+// A unit's 16 lanes are two ymm halves (lanes 0-7 = bytes 0-31 of each 64-byte chunk, lanes 8-15 = bytes
+// 32-63), walked one after the other so that the int32 accumulators of a tile fit in 16 registers. AVX2 has no
+// vpdpbusd: every 4-byte group's exact int32 dot is vpmaddubsw of |w| and x with w's sign (pairs of products,
+// |w| <= 128 and |x| <= 127 so that a pair never saturates int16), then vpmaddwd with ones. That is the signed
+// dot sum(q * x), where vpdpbusd on the unsigned bytes q + 128 gives sum(q * x) + 128 * sum(x); quantize_rows
+// (signed_dot) therefore starts each lane's accumulator at the AVX-512 path's value plus 128 times the sum of the
+// lane's activation bytes, and every lane holds the very same int32 as on the other paths before the same
+// fp32 epilogue.
+
+// lane half h of v: lanes 8h .. 8h + 7
+inline __m256& lanes_half(vf& v, int h) { return h == 0 ? v.lo : v.hi; }
+
+// The block scales of lanes 8h .. 8h + 7 of a unit of NB blocks starting at row scales ws (lane l takes block
+// l / (16 / NB)), reading no further than the unit's NB halves.
+template <int NB>
+inline __m256 unit_scales(const uint16_t* ws, int h) {
+  if constexpr (NB == 16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ws + 8 * h)));
+  } else if constexpr (NB == 8) {  // 4 blocks per half, 2 lanes each
+    const __m128 s = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ws + 4 * h)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+  } else if constexpr (NB == 4) {  // 2 blocks per half, 4 lanes each
+    int32_t two;
+    std::memcpy(&two, ws + 2 * h, sizeof(two));
+    const __m128 s = _mm_cvtph_ps(_mm_cvtsi32_si128(two));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  } else {  // one block per half
+    return _mm256_set1_ps(half_to_float(ws[h]));
+  }
+}
+
+// One unit of NB blocks starting at block b0 (unit index u), both lane halves: the exact int32 dots of its
+// blocks per lane, then one scale epilogue adds them into fa, lane by lane as unit() of the AVX-512 path.
+template <int NR, int MR, int NB>
+__attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* X, const int32_t* corr,
+                                                const float* xs, int64_t Kp, int64_t ldc, int64_t ldw, int64_t u,
+                                                int64_t b0, const uint16_t* wscale, const uint8_t* pf,
+                                                vf (&fa)[NR][MR]) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  // W is the tile base: chunk q of row n is at W + (q * NR + n) * 64
+  const uint8_t* wp = W + b0 * 32 * NR;
+  const int8_t* xp = X + b0 * 32;
+  if (pf) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NB / 2; ++j)
+#pragma GCC unroll 4
+      for (int n = 0; n < NR; ++n)
+        _mm_prefetch(reinterpret_cast<const char*>(pf + b0 * 32 * NR + (j * NR + n) * 64), _MM_HINT_T1);
+  }
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    __m256i ia[NR][MR];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + m * ldc + u * 16 + 8 * h));
+#pragma GCC unroll 4
+      for (int n = 0; n < NR; ++n) ia[n][m] = c;
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NB / 2; ++j) {
+#pragma GCC unroll 4
+      for (int n = 0; n < NR; ++n) {
+        const __m256i w = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (j * NR + n) * 64 + 32 * h)), flip);
+        const __m256i w_abs = _mm256_abs_epi8(w);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * Kp + j * 64 + 32 * h));
+          const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
+          ia[n][m] = _mm256_add_epi32(ia[n][m], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int n = 0; n < NR; ++n) {
+      const __m256 wsv = unit_scales<NB>(wscale + n * ldw + b0, h);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xs + m * ldc + u * 16 + 8 * h), wsv);
+        __m256& acc = lanes_half(fa[n][m], h);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[n][m]), s, acc);
+      }
+    }
+  }
+}
+
+// NR weight rows x MR activation rows over the units [u0, u1) of K, as tile() of the AVX-512 path: the
+// accumulators start at zero (u0 == 0) or from partial, and the tile ends with y = hsum16(fa) (+ bias) when
+// u1 == L.U, else stores fa back into partial.
+template <int NR, int MR, bool Sliced>
+__attribute__((always_inline)) inline void tile(const uint8_t* W, const int8_t* X, const int32_t* corr,
+                                                const float* xs, const Layout& L, const uint16_t* wscale,
+                                                const float* bias, float* y, int64_t ldy, const uint8_t* pf,
+                                                int64_t u0, int64_t u1, vf* partial) {
+  if constexpr (!Sliced) {
+    u0 = 0;
+    u1 = L.U;
+  }
+  const int64_t Kp = L.Kp;
+  const int64_t ldc = L.U * 16;
+  const int64_t ldw = Kp / 32;
+  if (u0 == 0)
+    for (int64_t o = 0; o < NR * ldw * 2; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wscale + NR * ldw) + o, _MM_HINT_T0);
+  vf fa[NR][MR];
+#pragma GCC unroll 4
+  for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) fa[n][m] = (!Sliced || u0 == 0) ? zero() : partial[n * MR + m];
+
+  for (int64_t u = u0; u < std::min(u1, L.G); ++u)
+    unit<NR, MR, 16>(W, X, corr, xs, Kp, ldc, ldw, u, u * 16, wscale, pf, fa);
+  for (int64_t t = 0; t < L.T; ++t) {
+    const int64_t u = L.G + t;
+    if (u < u0 || u >= u1) continue;
+    switch (L.tail_nb[t]) {
+      case 8: unit<NR, MR, 8>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
+      case 4: unit<NR, MR, 4>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
+      default: unit<NR, MR, 2>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
+    }
+  }
+  if (Sliced && u1 < L.U) {
+#pragma GCC unroll 4
+    for (int n = 0; n < NR; ++n)
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) partial[n * MR + m] = fa[n][m];
+    return;
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int n = 0; n < NR; ++n) {
+      float v = hsum(fa[n][m]);
+      if (bias) v = v + bias[n];
+      y[m * ldy + n] = v;
+    }
+}
+
+constexpr int kTileRows = 2;  // activation rows per tile
+
+// mr activation rows (1..kTileRows) of a tile; partial == nullptr: the whole of K, else the units [u0, u1).
+template <int NR>
+inline void tile_mr(int mr, const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
+                    const uint16_t* wscale, const float* bias, float* y, int64_t ldy, const uint8_t* pf = nullptr,
+                    int64_t u0 = 0, int64_t u1 = 0, vf* partial = nullptr) {
+  static_assert(kTileRows == 2, "the cases below");
+  if (partial == nullptr) {
+    if (mr == 1)
+      tile<NR, 1, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr);
+    else
+      tile<NR, 2, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr);
+    return;
+  }
+  if (mr == 1)
+    tile<NR, 1, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial);
+  else
+    tile<NR, 2, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial);
+}
+
+// process weight rows [n0, n1) x activation rows [m0, m1), walked as linear_block of the AVX-512 path
+void linear_block(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
+                  const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1, int64_t m0,
+                  int64_t m1) {
+  const int64_t ldc = L.U * 16;
+  constexpr int NR = 4;
+  constexpr int MR = kTileRows;
+  const int64_t slice_units = NR * L.Kp > kSliceBytes && m1 - m0 > 1 && m1 - m0 <= kMaxSlicedRows
+                                  ? std::max<int64_t>(1, kSliceBytes / (NR * kGroup))
+                                  : L.U;
+  alignas(64) vf partial[kMaxSlicedRows * NR];
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t nr = std::min<int64_t>(NR, n1 - n);
+    if (nr < NR) {  // the last N % 4 rows are plain rows
+      for (int64_t m = m0; m < m1; m += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+        for (int64_t i = n; i < n + nr; ++i)
+          tile_mr<1>(mr, W + i * L.Kp, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale + i * (L.Kp / 32),
+                     bias ? bias + i : nullptr, y + m * N + i, N);
+      }
+      continue;
+    }
+    const uint8_t* pf = n + 2 * NR <= n1 ? W + (n + NR) * L.Kp : nullptr;
+    for (int64_t u0 = 0; u0 < L.U; u0 += slice_units) {
+      const int64_t u1 = u0 + slice_units >= L.G ? L.U : u0 + slice_units;
+      for (int64_t m = m0; m < m1; m += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+        tile_mr<NR>(mr, W + n * L.Kp, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale + n * (L.Kp / 32),
+                    bias ? bias + n : nullptr, y + m * N + n, N, pf, u0, u1,
+                    slice_units < L.U ? partial + (m - m0) * NR : nullptr);
+      }
+      if (u1 == L.U) break;
+    }
+  }
+}
