@@ -1,0 +1,130 @@
+"""The kernel paths side by side, in one process, with llama.cpp's llama-bench on the same GGUF in the same run.
+
+    python -m specdec.bench.isa_bench --models gemma-3-270m --isas avx2,avx512 [--llama-bench PATH] [--threads 2]
+
+For each model and each kernel path this CPU runs (`--isas`, default all but scalar): plain greedy decode tok/s
+(128 tokens), prefill tok/s of a ~1000-token prompt, and the cost of one forward of 1 and of 8 new tokens after
+256 cached tokens (T(1), T(8), their ratio). The paths alternate within each of `--rounds` rounds and the table
+gives medians, so a machine's slow minutes fall on every path alike. With `--llama-bench`, llama.cpp's
+`llama-bench -t THREADS -p 0 -n 128` (decode) and `-p 1024 -n 0` (prefill) on the model's GGUF follow each round.
+The weights are packed once in the layout of the first path (the "amx" layout only when it is "amx").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.bench.runtime_bench import forward_cost_curve
+from specdec.config import SamplingParams
+from specdec.kernels import ops
+from specdec.llm import LLM
+from specdec.runtime import configure_threads
+
+DECODE_PROMPT = "Write a detailed explanation of how a hash map works, including collisions and resizing."
+PREFILL_WORDS = 760  # about 1000 tokens of the repeated passage below
+PASSAGE = ("The council met on Tuesday to discuss the new park, its playground, its pond and its garden, and the "
+           "residents asked how the budget of the city would pay for the work that the plan describes. ")
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def measure_path(llm: LLM, max_tokens: int) -> dict[str, float]:
+    """One round of one kernel path: decode, prefill and the forward costs."""
+    decode_ids = llm.encode_prompt(DECODE_PROMPT, chat=True)
+    llm.generate([decode_ids], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    result = llm.generate([decode_ids], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+    start = time.perf_counter()
+    llm.generate([decode_ids], SamplingParams(max_tokens=1, ignore_eos=True))
+    first_token_s = time.perf_counter() - start
+    decode_tok_s = (len(result.token_ids) - 1) / (result.elapsed_s - first_token_s)
+    words = (PASSAGE.split() * (PREFILL_WORDS // len(PASSAGE.split()) + 1))[:PREFILL_WORDS]
+    prefill_ids = llm.tokenizer.encode(" ".join(words))
+    start = time.perf_counter()
+    llm.generate([prefill_ids], SamplingParams(max_tokens=1, ignore_eos=True))
+    prefill_tok_s = len(prefill_ids) / (time.perf_counter() - start)
+    curve = forward_cost_curve(llm, context=256, max_rows=8, repeats=5)
+    return {"decode_tok_s": decode_tok_s, "prefill_tok_s": prefill_tok_s, "prefill_tokens": len(prefill_ids),
+            "t1_ms": curve[1] * 1e3, "t8_ms": curve[8] * 1e3}
+
+
+def llama_bench(binary: str, gguf: Path, threads: int) -> dict[str, float]:
+    """llama-bench's mean tok/s for decode (tg128) and prefill (pp1024) of the GGUF."""
+    result = {}
+    for key, flags in (("decode_tok_s", ["-p", "0", "-n", "128"]), ("prefill_tok_s", ["-p", "1024", "-n", "0"])):
+        out = subprocess.run([binary, "-m", str(gguf), "-t", str(threads), "-r", "3", "-o", "json", *flags],
+                             capture_output=True, text=True, check=True).stdout
+        result[key] = float(json.loads(out)[0]["avg_ts"])
+    return result
+
+
+def bench_model(name: str, isas: list[str], args: argparse.Namespace, threads: int) -> dict:
+    from specdec.models.catalog import resolve_model
+
+    with ops.forced_isa(isas[0]):  # the weights are packed for the first path's layout
+        llm = LLM(model=name, max_model_len=2048, max_num_seqs=1)
+    rounds: dict[str, list[dict[str, float]]] = {isa: [] for isa in isas}
+    peer: list[dict[str, float]] = []
+    for _ in range(args.rounds):
+        for isa in isas:
+            with ops.forced_isa(isa):
+                rounds[isa].append(measure_path(llm, args.max_tokens))
+        if args.llama_bench:
+            peer.append(llama_bench(args.llama_bench, resolve_model(name), threads))
+    medians = {isa: {key: statistics.median(r[key] for r in rows) for key in rows[0]} for isa, rows in rounds.items()}
+    row = {"model": name, "paths": medians}
+    if peer:
+        row["llama_cpp"] = {key: statistics.median(r[key] for r in peer) for key in peer[0]}
+    return row
+
+
+def print_row(row: dict) -> None:
+    peer = row.get("llama_cpp")
+    print(f"\n## {row['model']}")
+    print("| path | decode tok/s | prefill tok/s | T(1) ms | T(8) ms | T(8)/T(1) |"
+          + (" decode / llama.cpp | prefill / llama.cpp |" if peer else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|" if peer else ""))
+    for isa, m in row["paths"].items():
+        line = (f"| {isa} | {m['decode_tok_s']:.1f} | {m['prefill_tok_s']:.0f} | {m['t1_ms']:.2f} | {m['t8_ms']:.2f} | "
+                f"{m['t8_ms'] / m['t1_ms']:.2f} |")
+        if peer:
+            line += f" {m['decode_tok_s'] / peer['decode_tok_s']:.2f} | {m['prefill_tok_s'] / peer['prefill_tok_s']:.2f} |"
+        print(line)
+    if peer:
+        print(f"| llama.cpp | {peer['decode_tok_s']:.1f} | {peer['prefill_tok_s']:.0f} | | | |" + " | |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gemma-3-270m")
+    parser.add_argument("--isas", default=None, help="kernel paths, comma-separated (default: all but scalar)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    threads = configure_threads(args.threads)
+    isas = args.isas.split(",") if args.isas else [isa for isa in ops.supported_isas() if isa != "scalar"] or ["scalar"]
+    print(f"{cpu_name()}, torch {torch.__version__}, {threads} threads, kernel paths {', '.join(isas)}")
+    rows = [bench_model(name, isas, args, threads) for name in args.models.split(",")]
+    for row in rows:
+        print_row(row)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"cpu": cpu_name(), "threads": threads, "models": rows}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
