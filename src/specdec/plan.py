@@ -61,6 +61,7 @@ HARDWARE = {
 }
 DTYPE_BYTES = {"int8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 WEIGHT_FORMAT_DTYPE = {"q8": "int8", "fp32": "fp32"}  # our weight formats: q8 stores int8 weights (+ row scales)
+MEASURE_BUDGET_S = 60.0  # `--measure`: wall-clock cap of profiling T(n) at every row count and the context costs
 _SI = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 
 
@@ -324,7 +325,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from specdec.engine.cost_model import ProfileKey, load_or_measure, measure_cost_profile, save_profile
+    from specdec.engine.cost_model import (MAX_PROFILE_ROWS, ProfileKey, load_or_measure, measure_cost_profile,
+                                           save_profile)
     from specdec.runtime import configure_threads, load_model
 
     if args.batch < 1 or args.max_k < 0 or (args.alpha is not None and not 0 <= args.alpha <= 1):
@@ -334,13 +336,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dtype = args.dtype or WEIGHT_FORMAT_DTYPE[args.weight_format]
     model, tokenizer = load_model(args.model, args.weight_format, "cpu")
     config = model.config
-    forward = None
+    forward, profile = None, None
     if args.measure or hardware is None:
         key = ProfileKey.current(args.model, args.weight_format)
-        profile = measure_cost_profile(model) if args.measure else load_or_measure(model, key)
+        if args.measure:  # every row count, within a larger budget than a first use's (the user asked for it)
+            run = measure_cost_profile(model, MEASURE_BUDGET_S, range(1, MAX_PROFILE_ROWS + 1))
+            profile = run.samples.profile()
+            print(f"[profiled in {run.seconds:.1f} s (at most {MEASURE_BUDGET_S:g} s): {run.summary()}; saved to "
+                  f"{save_profile(key, profile)}]", file=sys.stderr)
+        else:
+            profile = load_or_measure(model, key)
         forward = profile.forward
-        if args.measure:
-            print(f"[profile saved to {save_profile(key, profile)}]", file=sys.stderr)
     alpha, per_position = (args.alpha if args.alpha is not None else 0.7), []
     if args.measure:
         alpha, per_position = measure_alpha(model, tokenizer, Path(args.data))
@@ -356,20 +362,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         step_cost = lambda tokens: roofline_seconds(stats, hardware, dtype, args.batch, tokens, args.context, kv_bytes)  # noqa: E731
         where = f"{hardware.name} ({hardware.peak_flops(dtype) / 1e12:.0f} TFLOP/s {dtype}, {hardware.bandwidth / 1e12:.2f} TB/s; {hardware.source})"
     plan = analyse(config, step_cost, ridge, dtype, kv_bytes, args.batch, alpha, args.draft_cost, args.max_k)
-    _print_plan(args, plan, where, per_position, forward)
+    _print_plan(args, plan, where, per_position, forward, None if profile is None else profile.samples)
     if args.out:
         plot(plan, args.out, f"{args.model} on {args.hardware}, B = {args.batch}")
         print(f"[plot written to {args.out}]", file=sys.stderr)
     return 0
 
 
-def _print_plan(args, plan: Plan, where: str, per_position: list[float], forward) -> None:
+def _print_plan(args, plan: Plan, where: str, per_position: list[float], forward, samples=None) -> None:
     print(f"model {args.model}, batch {args.batch}, hardware: {where}")
     print(f"ridge point {plan.ridge:.1f} FLOP/byte; α = {plan.alpha:.3f}"
           + (f" (measured; per position {' '.join(f'{a:.2f}' for a in per_position)})" if per_position else ""))
     if forward is not None:
-        print("measured T(n)/T(1): " + " ".join(f"{n}:{forward(n) / forward(1):.2f}" for n in (1, 2, 4, 8, 16, 32)
-                                                if n <= forward.max_rows) + f" (T(1) = {forward(1) * 1e3:.2f} ms)")
+        measured = None if samples is None else samples.forward.values  # the rest is bounded from these
+        print("measured T(n)/T(1): " + " ".join(
+            f"{n}:{forward(n) / forward(1):.2f}{'' if measured is None or n in measured else '~'}"
+            for n in (1, 2, 4, 8, 16, 32) if n <= forward.max_rows) + f" (T(1) = {forward(1) * 1e3:.2f} ms"
+            + ("" if measured is None or measured.keys() >= {1, 2, 4, 8, 16, 32} else "; ~: not timed yet, bounded "
+               "from the row counts timed") + ")")
     print(f"\nrecommended draft length k = {plan.recommended_k}")
     for reason in plan.reasons:
         print(f"  - {reason}")

@@ -471,3 +471,71 @@ def test_catch_up_cost_is_measured_from_the_steps_that_catch_up(tiny_tokenizer):
     policy.observe_step(StepCost(1 + k, (k,), draft_s=0.002 * k + 0.5, target_s=0.010, catch_up_tokens=100))
     # 5 ms per token measured, clipped to 3x the profile's estimate in the average
     assert policy.cost_model.drafter.catch_up_per_token_s == pytest.approx(0.8 * 0.001 + 0.2 * 0.003)
+
+
+# ---- T(n) learned from the steps (ProfileLearner): choices stay sound while the curve is learned --------------
+def learning_policy(true_cost, k=16):
+    """A policy over a profile measured on a FakeMachine costing true_cost(rows, context) (8 s budget, fake clock)."""
+    from specdec.engine.cost_model import ProfileLearner, profile_costs
+    from engine.test_cost_model import FakeMachine
+
+    machine = FakeMachine(true_cost)
+    samples = profile_costs(machine, clock=machine.clock).samples
+    profile = samples.profile()
+    return AdaptiveDraftPolicy(k, CostModel(profile.forward, context=profile.context), learner=ProfileLearner(samples))
+
+
+def run_steps(policy, tokenizer, true_cost, steps, accepted=16):
+    """Steps whose drafts all hit (up to `accepted`), each timed at true_cost(rows, 128); the draft lengths, checked
+    against the knee the policy planned with."""
+    seq = make_seq(tokenizer)
+    seq.max_tokens = 10_000
+    lengths = []
+    for _ in range(steps):
+        knee = policy.max_rows
+        k = step(policy, [seq], [accepted])[0]
+        assert 1 + k <= knee
+        lengths.append(k)
+        policy.observe_step(StepCost(1 + k, (k,), draft_s=0.0, target_s=true_cost(1 + k, 128), contexts=(128,)))
+    return lengths
+
+
+def test_a_compute_bound_machine_never_drafts_while_its_curve_is_learned(tiny_tokenizer):
+    """The scalar kernels (T(n) ≈ n · 130 ms): a draft token costs what it may save, so even drafts that would all
+    hit are not drafted, and no probe is either — before or after the steps refine T(1)."""
+    from engine.test_cost_model import scalar_like
+
+    policy = learning_policy(scalar_like)
+    assert policy.max_rows <= 2
+    assert run_steps(policy, tiny_tokenizer, scalar_like, 60) == [0] * 60
+
+
+def test_a_memory_bound_machine_drafts_long_and_learning_keeps_it(tiny_tokenizer):
+    from engine.test_cost_model import avx512_like
+
+    policy = learning_policy(avx512_like)
+    lengths = run_steps(policy, tiny_tokenizer, avx512_like, 30)
+    assert lengths[-10:] == [16] * 10, lengths
+    assert policy.learner.samples.forward.values[17] == pytest.approx(avx512_like(17, 128), rel=1e-6)
+
+
+def test_steps_dearer_than_the_profile_shorten_the_drafts(tiny_tokenizer):
+    """The profile says rows are nearly free (a quiet moment), the steps find each row costing a decode step (another
+    process took the cores' bandwidth, or the profile is stale): as the steps' row counts are learned, the knee and
+    k come down — the global level (CostCalibration) alone would keep k, scaling T(1) with T(9)."""
+    from engine.test_cost_model import avx512_like
+
+    policy = learning_policy(avx512_like, k=8)
+    compute_bound = lambda rows, context: 0.010 * rows  # noqa: E731
+    lengths = run_steps(policy, tiny_tokenizer, compute_bound, 60)
+    assert max(lengths[:3]) == 8 and lengths[-1] <= 1, lengths  # T(2) learned at 20 ms, T(1) profiled at 10.1
+
+
+def test_learning_leaves_the_context_costs_out_of_t(tiny_tokenizer):
+    from engine.test_cost_model import avx512_like
+
+    policy = learning_policy(avx512_like)
+    before = policy.base_cost_model.forward(5)
+    long_step = avx512_like(5, 1128)  # 5 rows after 1128 cached tokens: T(5) + the context's 1000 · 5 µs
+    policy.observe_step(StepCost(5, (4,), draft_s=0.0, target_s=long_step, contexts=(1128,)))
+    assert policy.base_cost_model.forward(5) == pytest.approx(before, rel=1e-6)

@@ -1,5 +1,6 @@
 """Cost model: expected accepted length, the k that maximises tokens per second on synthetic timings, the
-batch-aware row budget (knee of T), and the JSON profile cache."""
+batch-aware row budget (knee of T), profiling within a wall-clock budget and learning T(n) online (synthetic
+timings on a fake clock), and the JSON profile cache."""
 import pytest
 
 from specdec.engine import cost_model
@@ -8,10 +9,14 @@ from specdec.engine.cost_model import (
     CostCalibration,
     CostModel,
     CostProfile,
+    CostSamples,
     DrafterCost,
     ForwardCosts,
     ProfileKey,
+    ProfileLearner,
+    RowSamples,
     expected_accepted_length,
+    profile_costs,
 )
 
 FLAT = ForwardCosts.linear(0.010, 0.0)  # T(n) = 10 ms for n = 1..32
@@ -89,10 +94,9 @@ def test_fallback_matches_batch_policy_row_budget():
     assert [fallback.best_k(0.7, b, max_k=5) for b in (1, 4, 8, 32)] == [5, 5, 3, 0]
 
 
-def test_forward_costs_extrapolate_and_monotone():
+def test_forward_costs_extrapolate():
     costs = ForwardCosts((1.0, 2.0, 3.0))
     assert costs(5) == pytest.approx(5.0)
-    assert cost_model.monotone([1.0, 5.0, 2.0, 3.0]) == (1.0, 2.0, 2.0, 3.0)
     with pytest.raises(ValueError):
         ForwardCosts((1.0, 0.0))
 
@@ -109,11 +113,6 @@ def test_profile_cache_round_trip(tmp_path, monkeypatch):
     assert cost_model.load_profile(key) == with_context
     other = ProfileKey("tiny@files:abc", "q8", 4, "Some CPU")  # another thread count: another profile
     assert cost_model.load_profile(other) is None
-
-
-def test_measure_forward_costs_on_tiny_model(make_tiny_model):
-    costs = cost_model.measure_forward_costs(make_tiny_model("llama"), max_rows=6, context=8, repeats=1)
-    assert costs.max_rows == 6 and all(a <= b for a, b in zip(costs.seconds, costs.seconds[1:]))
 
 
 def test_forward_timings_interleave_the_row_counts(make_tiny_model):
@@ -134,30 +133,6 @@ def test_forward_timings_interleave_the_row_counts(make_tiny_model):
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
     # prefill, warm-ups, then two rounds in which every n is timed right after one row
     assert rows_seen == [8] + [1, 2, 3] + [1, 1, 1, 2, 1, 3] * 2
-
-
-def test_adaptive_policy_measures_and_caches_a_missing_profile(make_tiny_model, tmp_path, monkeypatch):
-    """Without a cached profile a named model is profiled once (not planned with the flat fallback) and the
-    profile is cached under its key; the next policy reads it without measuring."""
-    from specdec.engine.adaptive import _cached_cost_model
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    model = make_tiny_model("llama")
-    measured = []
-    real_measure = cost_model.measure_forward_costs
-
-    def measure(target, **kwargs):
-        measured.append(target)
-        return real_measure(target, max_rows=kwargs["max_rows"], context=8, repeats=1)
-
-    monkeypatch.setattr(cost_model, "measure_forward_costs", measure)
-    first = _cached_cost_model(model, None, "tiny-llama", "q8", 32)
-    assert measured == [model] and first.forward.max_rows == cost_model.MAX_PROFILE_ROWS
-    assert first.knee_ratio != float("inf")
-    assert len(list((tmp_path / "specdec" / "costs").glob("tiny-llama-q8-*.json"))) == 1
-    second = _cached_cost_model(model, None, "tiny-llama", "q8", 32)
-    assert len(measured) == 1 and second.forward == first.forward
-    assert _cached_cost_model(model, None, None, "q8", 32).knee_ratio == float("inf")  # no name: the fallback
 
 
 def test_context_costs_grow_with_context_and_rows():
@@ -193,14 +168,6 @@ def test_calibration_counts_the_context_of_a_step():
     assert scaled.context == model.context
 
 
-def test_measure_context_costs_on_tiny_model(make_tiny_model):
-    model = make_tiny_model("llama")
-    forward = cost_model.measure_forward_costs(model, max_rows=10, context=8, repeats=1)
-    context = cost_model.measure_context_costs(model, forward, base_context=8, long_context=64, repeats=1)
-    assert context.base_context == 8 and len(context.per_token_s) == 8  # rows 1..8 (timed: 1, 2, 4, 8)
-    assert all(a <= b for a, b in zip(context.per_token_s, context.per_token_s[1:]))
-
-
 def test_allocation_counts_the_tokens_of_the_rest_of_the_batch():
     """One speculating request beside 7 others (not speculating, or about to join): its draft rows slow the whole
     step, so they must pay against the batch's 8 tokens per step. Counting its own tokens only, 1.2 / T(9) beat
@@ -209,3 +176,212 @@ def test_allocation_counts_the_tokens_of_the_rest_of_the_batch():
     assert model.allocate([0.2], batch_size=1, max_k=4)[0] > 0  # alone, even weak drafts pay
     assert model.allocate([0.2], batch_size=8, max_k=4) == [0]  # 8.2 / T(9) < 8 / T(8)
     assert model.allocate([0.9], batch_size=8, max_k=4)[0] > 0
+
+
+# ---- profiling within a budget, and T(n) learned from the engine's steps (synthetic timings, fake clock) ---------
+class FakeMachine:
+    """time_forward for profile_costs: each forward advances a fake clock by cost(rows, context) seconds."""
+
+    def __init__(self, cost):
+        self.cost = cost
+        self.now = 0.0
+        self.forwards = []  # (rows, context) in call order
+
+    def clock(self):
+        return self.now
+
+    def __call__(self, rows, context):
+        seconds = self.cost(rows, context)
+        self.now += seconds
+        self.forwards.append((rows, context))
+        return seconds
+
+
+def scalar_like(rows, context):
+    """Compute-bound, as the scalar kernels: ~130 ms per row, plus 40 µs per row and context token."""
+    return rows * (0.130 + 40e-6 * context)
+
+
+def avx512_like(rows, context):
+    """Memory-bound: 10 ms for the weights, 0.4 ms per extra row, 1 µs per row and context token."""
+    return 0.010 + 0.0004 * (rows - 1) + 1e-6 * rows * context
+
+
+def test_row_samples_curve_interpolates_and_bounds_the_unmeasured_counts():
+    samples = RowSamples({1: 10.0, 2: 11.0, 4: 12.0, 8: 20.0}, {1: 1, 2: 1, 4: 1, 8: 1}, max_rows=16)
+    curve = samples.curve()
+    assert curve[:8] == pytest.approx((10.0, 11.0, 11.5, 12.0, 14.0, 16.0, 18.0, 20.0))  # linear between
+    assert curve[15] == pytest.approx(40.0)  # beyond 8: T(8) · n / 8, rows cost what the measured ones do on average
+    # never below what fewer rows were measured to cost; a count below the smallest measured takes its value
+    assert RowSamples({2: 10.0, 3: 9.0}, {2: 1, 3: 1}, max_rows=4).curve() == pytest.approx((10.0, 10.0, 10.0, 40 / 3))
+
+
+def test_profiling_respects_the_budget_on_a_compute_bound_machine():
+    machine = FakeMachine(scalar_like)
+    run = profile_costs(machine, budget_s=8.0, clock=machine.clock)
+    assert run.seconds == machine.now <= 8.0
+    timed = run.samples.forward.values
+    assert set(timed) == {1, 2, 3, 4}  # T(4) > 3 T(1): no more rows are timed, no step verifies that many
+    assert run.samples.forward.counts[2] >= 2  # the budget goes to more rounds of the counts that matter
+    assert run.samples.context is not None and 1 in run.samples.context.values
+    profile = run.samples.profile()
+    for n in range(1, 33):  # never cheaper than the real cost, where measured or not
+        assert profile.forward(n) >= scalar_like(n, 128) * (1 - 1e-9), n
+    assert profile.forward.knee() == 2  # and the policy sees a compute-bound machine
+    assert profile.context(1, 1128) == pytest.approx(1000 * 40e-6, rel=1e-6)
+    assert "T(n) at n = 1, 2, 3, 4" in run.summary()
+
+
+def test_profiling_a_fast_machine_times_every_count_within_the_budget():
+    machine = FakeMachine(avx512_like)
+    run = profile_costs(machine, budget_s=8.0, clock=machine.clock)
+    assert machine.now <= 8.0 and run.rounds == 5
+    assert set(run.samples.forward.values) == set(cost_model.PROFILE_ROW_COUNTS)
+    assert set(run.samples.context.values) == set(cost_model.CONTEXT_PROFILE_ROWS)
+    profile = run.samples.profile()
+    assert profile.forward(8) == pytest.approx(avx512_like(8, 128), rel=1e-9)
+    assert profile.forward(5) >= avx512_like(5, 128) * (1 - 1e-9)  # interpolated between 4 and 6
+    assert profile.context(4, 1128) == pytest.approx(1000 * 4e-6, rel=1e-6)
+
+
+def test_profiling_within_a_small_budget_times_the_smallest_counts_first():
+    machine = FakeMachine(avx512_like)
+    run = profile_costs(machine, budget_s=0.2, clock=machine.clock)
+    assert machine.now <= 0.2
+    assert {1, 2, 4} <= set(run.samples.forward.values) and 32 not in run.samples.forward.values
+
+
+def test_a_forward_longer_than_the_budget_is_all_there_is():
+    machine = FakeMachine(lambda rows, context: 20.0 * rows)
+    run = profile_costs(machine, budget_s=8.0, clock=machine.clock)
+    assert machine.forwards == [(1, 128)]  # the warm-up: nothing else fits
+    assert run.samples.forward.values == {1: 20.0} and run.samples.context is None
+    assert run.samples.profile().forward(4) == pytest.approx(80.0)  # n · T(1): no drafting will look cheap
+
+
+def test_measure_cost_profile_on_a_tiny_model_needs_no_prefill(make_tiny_model):
+    model = make_tiny_model("llama")
+    rows_seen = []
+    forward = model.forward
+    model.forward = lambda batch, cache: (rows_seen.append(len(batch.token_ids)), forward(batch, cache))[1]
+    try:
+        run = cost_model.measure_cost_profile(model, budget_s=1.0, repeats=1)
+    finally:
+        del model.forward
+    assert max(rows_seen) <= 32  # the context is random keys and values in the cache, not a prefill
+    assert 1 in run.samples.forward.values and run.samples.profile().forward.max_rows == cost_model.MAX_PROFILE_ROWS
+
+
+def measured_flat_to_four():
+    """A profile that timed only n = 1, 2, 4 (10 ms each, say a slow first round): T(n) beyond is 10 ms · n / 4."""
+    return CostSamples(RowSamples({1: 0.010, 2: 0.010, 4: 0.010}, {1: 3, 2: 3, 4: 3}))
+
+
+def test_online_measurements_move_the_curve_towards_measured_costs():
+    learner = ProfileLearner(measured_flat_to_four())
+    assert learner.forward()(8) == pytest.approx(0.020) and learner.forward().knee() == 8
+    for _ in range(100):
+        learner.observe(8, 0.011)  # 8 rows really cost 11 ms
+    assert learner.samples.forward.values[8] == pytest.approx(0.011, rel=0.01)  # from the bound of 20 ms
+    assert learner.forward()(6) == pytest.approx(0.0105, rel=0.01)  # between the measured 4 and 8
+    assert learner.forward()(16) == pytest.approx(0.022, rel=0.01) and learner.forward().knee() == 14  # 11 ms · 14 / 8
+    learner.observe(1, 0.020)  # a lone slow step moves a row count measured 3 times by a quarter
+    assert learner.samples.forward.values[1] == pytest.approx(0.010 + 0.25 * 0.010)
+
+
+def test_online_measurements_never_make_the_curve_cheaper_than_measured():
+    learner = ProfileLearner(measured_flat_to_four())
+    learner.observe(3, 0.001)  # a step that looks 10x cheaper than T(2) measured
+    assert learner.forward()(3) == pytest.approx(0.010)  # more rows never cost less than fewer measured
+    learner.observe(16, 0.001)  # first step at 16 rows: starts from the bound (40 ms) as one observation, clipped
+    assert learner.samples.forward.values[16] == pytest.approx((0.040 + 0.040 / 3) / 2)
+    for _ in range(5000):
+        learner.observe(1, 0.0001)  # many steps: the EMA follows, but each within max_jump of the estimate
+    assert learner.forward()(1) == pytest.approx(0.0001, rel=0.01) and learner.forward()(3) >= learner.forward()(2)
+
+
+def test_online_measurements_skip_steps_that_mostly_measure_the_context():
+    learner = ProfileLearner(measured_flat_to_four())
+    assert not learner.observe(2, 0.030, context_s=0.020)  # two thirds of it the sequences' long contexts
+    assert learner.observe(2, 0.030, context_s=0.012)  # T(2) = 18 ms of it
+    assert learner.samples.forward.values[2] == pytest.approx(0.010 + 0.25 * 0.008)
+
+
+def test_learned_profile_is_saved_back_and_read_by_the_next_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    key = ProfileKey("tiny@files:abc", "q8", 2, "Some CPU")
+    now = [0.0]
+    learner = ProfileLearner(measured_flat_to_four(), key, save_every=4, min_save_interval_s=10.0,
+                             clock=lambda: now[0])
+    for _ in range(3):
+        learner.observe(8, 0.012)
+        assert learner.save_if_due() is None
+    learner.observe(8, 0.012)
+    assert learner.save_if_due() is not None  # the 4th new measurement
+    loaded = cost_model.load_profile(key)
+    assert loaded.forward == learner.forward() and loaded.samples.forward.counts[8] == 5  # the bound + 4 steps
+    for _ in range(4):
+        learner.observe(8, 0.012)
+    assert learner.save_if_due() is None  # 4 more, but within 10 s of the last save
+    now[0] = 11.0
+    assert learner.save_if_due() is not None
+
+
+def test_first_use_profiles_within_the_budget_and_caches(make_tiny_model, tmp_path, monkeypatch, capsys):
+    """Without a cached profile a named model is profiled once within the budget (not planned with the flat
+    fallback), the line on stderr says what and how long, and the profile is cached under its key with its
+    samples; the next policy reads it without measuring and learns from it."""
+    from specdec.engine.adaptive import _cached_cost_model, build_draft_policy
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = make_tiny_model("llama")
+    budgets = []
+
+    def measure(target, budget_s, known=None):
+        budgets.append(budget_s)
+        machine = FakeMachine(avx512_like)
+        return profile_costs(machine, budget_s, clock=machine.clock, known=known)
+
+    monkeypatch.setattr(cost_model, "measure_cost_profile", measure)
+    first = _cached_cost_model(model, None, "tiny-llama", "q8", 32)
+    assert budgets == [cost_model.PROFILE_BUDGET_S] and first.forward.max_rows == cost_model.MAX_PROFILE_ROWS
+    assert first.knee_ratio != float("inf") and first.forward(8) == pytest.approx(avx512_like(8, 128))
+    line = capsys.readouterr().err
+    assert line.startswith("[profiling the forward costs of tiny-llama (at most 8 s") and "T(n) at n = 1, 2" in line
+    assert len(list((tmp_path / "specdec" / "costs").glob("tiny-llama-q8-*.json"))) == 1
+    policy = build_draft_policy("adaptive", 4, 32, model, None, "tiny-llama")
+    assert len(budgets) == 1 and policy.base_cost_model.forward == first.forward
+    assert policy.learner is not None and policy.learner.key.model.startswith("tiny-llama@")
+    assert _cached_cost_model(model, None, None, "q8", 32).knee_ratio == float("inf")  # no name: the fallback
+    assert build_draft_policy("adaptive", 4, 32, model, None, None).learner is None
+
+
+def test_a_profile_cut_short_by_its_budget_is_continued_at_the_next_start(make_tiny_model, tmp_path, monkeypatch, capsys):
+    """A machine where a forward costs about 0.3 s whatever its rows: the first start's 8 s time most counts; the
+    next starts time the rest within their own budgets (at the first profile's level: its T(1) times this run's
+    ratios), until nothing is left to time and a start measures nothing."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    levels = iter([1.0, 2.0, 2.0, 2.0])  # later starts on a machine twice as slow (another process on the cores)
+    runs = []
+
+    def measure(target, budget_s, known=None):
+        level = next(levels)
+        machine = FakeMachine(lambda rows, context: level * (0.3 + 0.005 * rows + 1e-6 * rows * context))
+        runs.append(profile_costs(machine, budget_s, clock=machine.clock, known=known))
+        assert machine.now <= budget_s
+        return runs[-1]
+
+    monkeypatch.setattr(cost_model, "measure_cost_profile", measure)
+    key = ProfileKey.current("tiny-llama", "q8")
+    model = make_tiny_model("llama")
+    profile = cost_model.load_or_measure(model, key)
+    assert cost_model.untimed_row_counts(profile.samples) and 32 in profile.samples.forward.values  # largest first
+    assert "[profiling the forward costs of tiny-llama" in capsys.readouterr().err
+    for _ in range(3):
+        profile = cost_model.load_or_measure(model, key)
+    assert "[continuing the cost profile of tiny-llama" in capsys.readouterr().err
+    assert len(runs) == 3 and not cost_model.untimed_row_counts(profile.samples)  # the third start measured nothing
+    assert set(profile.samples.context.values) == set(cost_model.CONTEXT_PROFILE_ROWS)
+    for n in range(1, 33):
+        assert profile.forward(n) == pytest.approx(0.3 + 0.005 * n + 1e-6 * n * 128, rel=1e-9), n  # the first level
+    assert profile.context(32, 1128) == pytest.approx(32e-3, rel=1e-6)

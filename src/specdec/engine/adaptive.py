@@ -28,11 +28,12 @@ draft model on a slow machine) is switched off by its measured cost, not by an e
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence as SequenceOf
 
 from specdec.config import DRAFT_POLICIES
-from specdec.engine.cost_model import CostCalibration, CostModel, expected_accepted_length
+from specdec.engine.cost_model import CostCalibration, CostModel, ProfileLearner, expected_accepted_length
 from specdec.engine.draft_policy import DraftLengthPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence
@@ -215,7 +216,8 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
     """
 
     def __init__(self, max_draft_tokens: int, cost_model: CostModel | None = None, max_verify_tokens: int = 32,
-                 prior_alpha: float = 0.7, ema_weight: float = 0.3, reprobe_interval: int = 16) -> None:
+                 prior_alpha: float = 0.7, ema_weight: float = 0.3, reprobe_interval: int = 16,
+                 learner: ProfileLearner | None = None) -> None:
         if max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be >= 1, got {max_draft_tokens}")
         if not 0 < prior_alpha < 1 or not 0 < ema_weight <= 1:
@@ -226,6 +228,8 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         self.base_cost_model = cost_model or CostModel.fallback(max_verify_tokens)
         self.cost_model = self.base_cost_model  # with measured levels once steps are observed
         self.calibration = CostCalibration()
+        self.learner = learner  # refines the cost model's T(n) from the timed steps (None: T(n) stays as given)
+        self.max_verify_tokens = max_verify_tokens
         self.max_rows = min(self.cost_model.max_rows, max_verify_tokens)
         self.prior_alpha = prior_alpha
         self.ema_weight = ema_weight
@@ -260,7 +264,19 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         if draft_s is None and cost.catch_up_tokens:
             self.calibration.observe_catch_up(self.base_cost_model, cost.draft_lengths, cost.draft_s,
                                               cost.catch_up_tokens)
+        if self.learner is not None:
+            self._learn(cost)
         self.cost_model = self.calibration.apply(self.base_cost_model)
+
+    def _learn(self, cost: StepCost) -> None:
+        """Folds the step's target seconds into the learned T(n) (ProfileLearner) and plans with the new curve: its
+        knee may have moved, e.g. once a row count reached under the conservative bound turns out cheaper."""
+        base = self.base_cost_model
+        context_s = base.target_seconds(cost.rows, cost.draft_lengths, cost.contexts) - base.forward(cost.rows)
+        if self.learner.observe(cost.rows, cost.target_s, context_s * (self.calibration.target_scale or 1.0)):
+            self.base_cost_model = dataclasses.replace(base, forward=self.learner.forward())
+            self.max_rows = min(self.base_cost_model.max_rows, self.max_verify_tokens)
+            self.learner.save_if_due()
 
     def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int,
                       catch_up_tokens: SequenceOf[int] | None = None) -> list[int]:
@@ -374,8 +390,9 @@ def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: 
                        weight_format: str = "q8") -> DraftLengthPolicy | None:
     """The engine's draft policy for LLM(draft_policy=...): an instance as given; "fixed" -> BatchDraftPolicy;
     "adaptive" -> AdaptiveDraftPolicy over the profile of this (model, weight format, threads, machine, kernel
-    build): the cached one, else measured now and cached (a few seconds, once; `specdec plan --measure` redoes
-    it); `CostModel.fallback` when the model has no name to key a profile by. None when not speculating."""
+    build): the cached one, else measured now within a few seconds (`load_or_measure`) and cached, refined from the
+    engine's timed steps and saved back as it runs (`ProfileLearner`); `CostModel.fallback` when the model has no
+    name to key a profile by. None when not speculating."""
     from specdec.engine.draft_policy import BatchDraftPolicy
 
     if isinstance(choice, DraftLengthPolicy):
@@ -386,22 +403,35 @@ def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: 
         return None
     if choice == "fixed":
         return BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)
-    cost_model = _cached_cost_model(target, drafter, model_name, weight_format, max_verify_tokens)
-    return AdaptiveDraftPolicy(num_speculative_tokens, cost_model, max_verify_tokens)
+    profile, key = _cached_profile(target, model_name, weight_format)
+    cost_model = _cost_model(profile, target, drafter, max_verify_tokens)
+    learner = None if profile is None or profile.samples is None else ProfileLearner(profile.samples, key)
+    return AdaptiveDraftPolicy(num_speculative_tokens, cost_model, max_verify_tokens, learner=learner)
+
+
+def _cached_profile(target, model_name: str | None, weight_format: str):
+    """(profile, its key) for a named model (cached or measured now), (None, None) without a name or a target."""
+    from specdec.engine.cost_model import ProfileKey, load_or_measure
+
+    if model_name is None or target is None:
+        return None, None
+    try:
+        key = ProfileKey.current(model_name, weight_format, target.device)
+    except (OSError, ValueError):
+        return None, None
+    return load_or_measure(target, key), key
 
 
 def _cached_cost_model(target, drafter, model_name: str | None, weight_format: str, max_verify_tokens: int) -> CostModel:
+    """The adaptive policy's starting cost model for this target and drafter (see build_draft_policy)."""
+    return _cost_model(_cached_profile(target, model_name, weight_format)[0], target, drafter, max_verify_tokens)
+
+
+def _cost_model(profile, target, drafter, max_verify_tokens: int) -> CostModel:
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.drafters.heads import HeadDrafter
-    from specdec.engine.cost_model import DrafterCost, ProfileKey, load_or_measure
+    from specdec.engine.cost_model import DrafterCost
 
-    profile = None
-    if model_name is not None and target is not None:
-        try:
-            key = ProfileKey.current(model_name, weight_format, target.device)
-        except (OSError, ValueError):
-            key = None
-        profile = load_or_measure(target, key) if key is not None else None
     forward = profile.forward if profile is not None else CostModel.fallback(max_verify_tokens).forward
     t1 = forward(1)
     per_row = forward(forward.max_rows) / forward.max_rows  # a prefill is compute-bound: its cost per token

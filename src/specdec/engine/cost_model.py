@@ -2,17 +2,20 @@
 
 Glossary (see docs/draft-length.md for the derivations):
   T(n)      seconds of one target forward over n new token rows in total (all sequences of the step together,
-            each row attending to its sequence's cache). Measured for n = 1..32 by `measure_forward_costs`.
+            each row attending to its sequence's cache), n = 1..32. At a model's first use on a machine a few row
+            counts are timed within a wall-clock budget (`profile_costs`, PROFILE_BUDGET_S), the others bounded
+            from them (`RowSamples.curve`); then every timed engine step refines it (`ProfileLearner`).
   α_i       conditional acceptance at draft position i: P(draft token i accepted | tokens 0..i-1 accepted).
   E(k)      expected tokens emitted by one verify step of k draft tokens, including the recovered/bonus token:
             E(k) = sum_{i=0..k} prod_{j<i} α_j;  with a constant α this is (1 - α^(k+1)) / (1 - α).
-  knee      the most rows one step may verify: the largest measured n with T(n) <= knee_ratio · T(1)
-            (default 2: a step never costs more than two plain decode steps), never beyond the measured range.
+  knee      the most rows one step may verify: the largest n <= 32 with T(n) <= knee_ratio · T(1)
+            (default 2: a step never costs more than two plain decode steps).
   speed     a step of B sequences with draft lengths k_b emits sum_b E_b(k_b) tokens in
             T(B + sum_b k_b) + draft_cost(k_1..k_B) seconds.
 
 Profiles are cached as JSON under ``$XDG_CACHE_HOME/specdec/costs/`` (``~/.cache/specdec/costs``), one file per
-(model identity, weight format, thread count, machine, kernel build) — see `ProfileKey`.
+(model identity, weight format, thread count, machine, kernel build) — see `ProfileKey` — and re-saved as the
+engine's steps refine them.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence as SequenceOf
+from typing import Callable, Sequence as SequenceOf
 
 import torch
 
@@ -93,7 +96,7 @@ class ForwardCosts:
         return last + slope * (rows - self.max_rows)
 
     def knee(self, knee_ratio: float = 2.0) -> int:
-        """Largest measured n with T(n) <= knee_ratio · T(1) (at least 1)."""
+        """Largest n of the curve with T(n) <= knee_ratio · T(1) (at least 1)."""
         limit = knee_ratio * self.seconds[0]
         return max([n for n in range(1, self.max_rows + 1) if self.seconds[n - 1] <= limit] or [1])
 
@@ -131,12 +134,111 @@ class ContextCosts:
         return ContextCosts(self.base_context, tuple(s * factor for s in self.per_token_s))
 
 
+@dataclass
+class RowSamples:
+    """Measured values by row count n = 1..max_rows (seconds of a forward, or a context cost per token), each with
+    how many measurements back it; the values at the other row counts follow from them (`curve`).
+
+    `observe` folds a new measurement in: a running mean over the first ones, then an EMA of weight `weight_floor`
+    (so a value measured thousands of times still follows a lasting change), each measurement clipped to
+    [1 / max_jump, max_jump] times the current value. A row count never measured starts from the curve's value
+    there, counted as one measurement: being an upper bound (see `curve`), it makes the first measurements move it
+    half way, not all the way, down.
+    """
+
+    values: dict[int, float] = field(default_factory=dict)  # {n: value}, only the measured row counts
+    counts: dict[int, int] = field(default_factory=dict)  # {n: measurements folded in}
+    max_rows: int = MAX_PROFILE_ROWS
+
+    def __post_init__(self) -> None:
+        if any(not 1 <= n <= self.max_rows or v < 0 for n, v in self.values.items()) or self.values.keys() != self.counts.keys():
+            raise ValueError(f"RowSamples needs values >= 0 at row counts 1..{self.max_rows} with counts, got {self.values}")
+
+    def curve(self) -> tuple[float, ...]:
+        """Values for n = 1..max_rows, never below what was measured at fewer rows (more rows never cost less):
+        the measured values made non-decreasing (running maximum), interpolated linearly between measured row counts,
+        the smallest measured count's value below it, and beyond the largest measured count m, value(m) · n / m —
+        the rows there costing what the measured ones cost on average, no further economy assumed (an upper bound
+        wherever the per-row cost does not grow with the rows)."""
+        if not self.values:
+            raise ValueError("no row count measured")
+        points, highest = [], 0.0
+        for n in sorted(self.values):
+            highest = max(highest, self.values[n])
+            points.append((n, highest))
+        curve = []
+        for n in range(1, self.max_rows + 1):
+            upper = next((i for i, (m, _) in enumerate(points) if m >= n), None)
+            if upper is None:
+                last_n, last = points[-1]
+                curve.append(last * n / last_n)
+            elif upper == 0 or points[upper][0] == n:
+                curve.append(points[upper][1])
+            else:
+                (low_n, low), (high_n, high) = points[upper - 1], points[upper]
+                curve.append(low + (high - low) * (n - low_n) / (high_n - low_n))
+        return tuple(curve)
+
+    def observe(self, rows: int, value: float, weight_floor: float = 1 / 32, max_jump: float = 3.0) -> None:
+        if not 1 <= rows <= self.max_rows or not value >= 0:
+            return
+        if rows in self.values:
+            current, count = self.values[rows], self.counts[rows]
+        elif self.values:
+            current, count = self.curve()[rows - 1], 1
+        else:
+            current, count = value, 0
+        if current > 0:
+            value = min(max(value, current / max_jump), current * max_jump)
+        self.values[rows] = current + max(weight_floor, 1 / (count + 1)) * (value - current)
+        self.counts[rows] = count + 1
+
+    def to_json(self) -> dict:
+        return {str(n): [self.values[n], self.counts[n]] for n in sorted(self.values)}
+
+    @classmethod
+    def from_json(cls, payload: dict, max_rows: int = MAX_PROFILE_ROWS) -> RowSamples:
+        return cls({int(n): float(v) for n, (v, _) in payload.items()}, {int(n): int(c) for n, (_, c) in payload.items()},
+                   max_rows)
+
+
+@dataclass
+class CostSamples:
+    """What was measured of a model's costs on this machine, from which its `CostProfile` follows; the engine's timed
+    steps keep refining it (`ProfileLearner`).
+
+    forward: T(n) after `base_context` cached tokens, at the row counts measured.
+    context: seconds per context token beyond base_context for a sequence with n rows (see ContextCosts), at the
+        row counts measured; None when not measured (the model's context is short, or the budget ran out).
+    """
+
+    forward: RowSamples
+    context: RowSamples | None = None
+    base_context: int = 128
+
+    def profile(self) -> CostProfile:
+        context = None if self.context is None else ContextCosts(self.base_context, self.context.curve())
+        return CostProfile(ForwardCosts(self.forward.curve()), context, self)
+
+    def to_json(self) -> dict:
+        return {"base_context": self.base_context, "forward": self.forward.to_json(),
+                "context": None if self.context is None else self.context.to_json()}
+
+    @classmethod
+    def from_json(cls, payload: dict) -> CostSamples:
+        context = payload.get("context")
+        return cls(RowSamples.from_json(payload["forward"]), None if context is None else RowSamples.from_json(context),
+                   int(payload["base_context"]))
+
+
 @dataclass(frozen=True)
 class CostProfile:
-    """A model's measured costs on this machine: T(n) after a short context, and what longer contexts add."""
+    """A model's costs on this machine: T(n) after a short context, and what longer contexts add; `samples`: the
+    measurements they follow from (None for a profile given whole, e.g. a synthetic one)."""
 
     forward: ForwardCosts
     context: ContextCosts | None = None
+    samples: CostSamples | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -353,52 +455,288 @@ class CostCalibration:
         return dataclasses.replace(base, forward=forward, drafter=drafter, context=context)
 
 
-# ---- measuring and caching --------------------------------------------------------------------------------
-def measure_forward_costs(model, max_rows: int = MAX_PROFILE_ROWS, context: int = 128, repeats: int = 5) -> ForwardCosts:
-    """T(n) for n = 1..max_rows (`forward_seconds` in a cache of its own), made monotone.
+@dataclass
+class ProfileLearner:
+    """Refines a profile's T(n) with the target forwards the engine times, and keeps its cached file up to date.
 
-    model: a specdec Transformer. Rows of one sequence stand for the rows of a batch: the weights are streamed
-    once per forward either way; only the (small at this context) attention reads differ.
+    The profile measured at first use times a few row counts within a budget (`profile_costs`); the rest of T(n) is
+    an upper bound (`RowSamples.curve`). Every decode step measures T at its row count: `observe` folds the step's
+    target seconds, less what its sequences' contexts add (`ContextCosts`, at the measured level), into that row
+    count's value. Steps whose context part is over half of the step say more about the context costs than about
+    T(n), and are left out. So a row count the policy uses converges to what it costs here, and one reached for the
+    first time — the conservative extrapolation is what lets the policy try it at all — replaces the bound by a
+    measurement; the knee and the draft lengths follow. Every `save_every` new measurements (at most every
+    `min_save_interval_s`), the refined samples are written back under `key`, so the next process starts from them.
+
+    The policy's `CostCalibration` still scales the whole curve to the level of the moment (another process on the
+    cores); this curve follows the long-run cost at each row count (EMA weight `weight_floor` per step).
     """
-    from specdec.cache.kv_cache import KVCache
 
-    cache = KVCache(model.config, 1, context + max_rows + 1, model.device, dtype=model.kv_cache_dtype)
-    return ForwardCosts(monotone(forward_seconds(model, cache, 0, context, max_rows, repeats)))
+    samples: CostSamples
+    key: ProfileKey | None = None  # None: not saved
+    weight_floor: float = 1 / 32
+    max_jump: float = 3.0
+    max_context_share: float = 0.5
+    save_every: int = 32
+    min_save_interval_s: float = 2.0
+    clock: Callable[[], float] = time.monotonic
+    unsaved: int = 0
+    last_save: float | None = None
+
+    def observe(self, rows: int, target_s: float, context_s: float = 0.0) -> bool:
+        """A target forward of `rows` rows took target_s seconds, context_s of which the context costs account for.
+        Returns whether T(n) changed."""
+        if not target_s > 0 or not 0 <= context_s <= self.max_context_share * target_s:
+            return False
+        self.samples.forward.observe(rows, target_s - context_s, self.weight_floor, self.max_jump)
+        self.unsaved += 1
+        return True
+
+    def forward(self) -> ForwardCosts:
+        return ForwardCosts(self.samples.forward.curve())
+
+    def save_if_due(self) -> Path | None:
+        """Writes the samples back under key when save_every measurements are unsaved (and the last save is at least
+        min_save_interval_s ago); an unwritable cache keeps them for this process."""
+        now = self.clock()
+        if (self.key is None or self.unsaved < self.save_every
+                or (self.last_save is not None and now - self.last_save < self.min_save_interval_s)):
+            return None
+        self.unsaved, self.last_save = 0, now
+        try:
+            return save_profile(self.key, self.samples.profile())
+        except OSError:
+            return None
 
 
-CONTEXT_PROFILE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)  # row counts timed at the long context (interpolated between)
+# ---- measuring and caching --------------------------------------------------------------------------------
+PROFILE_BUDGET_S = 8.0  # wall-clock cap of the profile measured at a model's first use on a machine
+# row counts timed, most useful first: a round times them in this order while the budget allows
+PROFILE_ROW_COUNTS = (1, 2, 4, 8, 16, 32, 3, 6, 12, 24)
+CONTEXT_PROFILE_ROWS = (1, 2, 4, 8, 16, 32, 12, 24)  # the same at the long context (the rest interpolated)
+PAST_KNEE_RATIO = 3.0  # once T(m) > 3 T(1), no count above m is timed: the policy never verifies that many rows
+CONTEXT_SHARE = 0.35  # of the budget, for the context costs
 
 
-def measure_context_costs(model, forward: ForwardCosts, base_context: int = 128, long_context: int = 1024,
-                          repeats: int = 3) -> ContextCosts:
-    """ContextCosts from T(n) after long_context tokens (n in CONTEXT_PROFILE_ROWS up to forward's rows) against
-    `forward` (T(n) after base_context): per n, the difference per extra context token, interpolated linearly in
-    n between the timed row counts and made non-decreasing in n (more rows never read less)."""
-    from specdec.cache.kv_cache import KVCache
+@dataclass(frozen=True)
+class ProfileRun:
+    """What `profile_costs` measured and what it took."""
 
-    row_counts = [n for n in CONTEXT_PROFILE_ROWS if n <= forward.max_rows]
-    cache = KVCache(model.config, 1, long_context + row_counts[-1] + 1, model.device, dtype=model.kv_cache_dtype)
-    long_seconds = forward_seconds(model, cache, 0, long_context, row_counts[-1], repeats, row_counts)
-    timed = [max(0.0, (seconds - forward(n)) / (long_context - base_context)) for n, seconds in zip(row_counts, long_seconds)]
-    per_token, highest = [], 0.0
-    for n in range(1, row_counts[-1] + 1):
-        upper = next(i for i, m in enumerate(row_counts) if m >= n)
-        if row_counts[upper] == n or upper == 0:
-            value = timed[upper]
-        else:
-            low_n, high_n = row_counts[upper - 1], row_counts[upper]
-            value = timed[upper - 1] + (timed[upper] - timed[upper - 1]) * (n - low_n) / (high_n - low_n)
-        highest = max(highest, value)
-        per_token.append(highest)
-    return ContextCosts(base_context, tuple(per_token))
+    samples: CostSamples  # the profile: what this run timed, merged into what was known before it
+    seconds: float  # wall time, warm-up included
+    rounds: int  # rounds that timed at least one row count (after base_context)
+    forward_timed: tuple[int, ...]  # row counts timed by this run (after base_context)
+    context_timed: tuple[int, ...]  # row counts whose context costs this run measured
+
+    def summary(self) -> str:
+        line = f"T(n) at n = {', '.join(map(str, self.forward_timed)) or 'none'} ({self.rounds} round{'s' * (self.rounds != 1)})"
+        if self.context_timed:
+            line += f", context costs at n = {', '.join(map(str, self.context_timed))}"
+        return line
 
 
-def measure_cost_profile(model, max_rows: int = MAX_PROFILE_ROWS) -> CostProfile:
-    """T(n) after 128 cached tokens and the context costs up to 1024 (fewer when the model's context is shorter)."""
-    forward = measure_forward_costs(model, max_rows=max_rows)
+def untimed_row_counts(samples: CostSamples, row_counts: SequenceOf[int] = PROFILE_ROW_COUNTS) -> list[int]:
+    """The row counts a profile has not timed yet and still wants: not past its knee (PAST_KNEE_RATIO)."""
+    values = samples.forward.values
+    return [n for n in row_counts if n not in values and not _past_knee(n, values)]
+
+
+def _past_knee(n: int, values: dict[int, float]) -> bool:
+    return 1 in values and any(m < n and seconds > PAST_KNEE_RATIO * values[1] for m, seconds in values.items())
+
+
+def profile_costs(time_forward: Callable[[int, int], float], budget_s: float = PROFILE_BUDGET_S,
+                  clock: Callable[[], float] = time.perf_counter, base_context: int = 128,
+                  long_context: int | None = 1024, row_counts: SequenceOf[int] = PROFILE_ROW_COUNTS,
+                  context_row_counts: SequenceOf[int] = CONTEXT_PROFILE_ROWS, repeats: int = 5,
+                  context_repeats: int = 3, context_share: float = CONTEXT_SHARE, known: CostSamples | None = None) -> ProfileRun:
+    """T(n) at a few row counts and what a long context adds, within a wall-clock budget.
+
+    time_forward(rows, context): seconds of one target forward of `rows` new rows of one sequence after `context`
+    cached tokens (measured, or synthetic in tests, with `clock` the matching clock).
+
+    After one warm-up forward, each of `repeats` rounds walks row_counts and times n rows right after one row:
+    T(n) = median T(1) · median of the paired ratios T(n) / T(1) (a slow spell of the machine scales both sides of a
+    ratio instead of bending the curve). A pair is timed only if what it is expected to cost still fits the budget
+    (1 - context_share of it; the context costs get the rest): T(1) + T(m) · n / m from the largest count m <= n
+    timed so far, an upper bound where rows never cost more than the average of fewer rows. A slow machine (the
+    scalar kernels: T(n) ≈ n · T(1)) so times fewer counts in fewer rounds; and no count above one costing
+    PAST_KNEE_RATIO · T(1) is timed, as no step verifies so many rows. Then, with what is left of the budget, the
+    same at long_context tokens for the counts timed (`context_repeats` rounds): the context cost per token is
+    (T_long(n) − T(n)) / (long_context − base_context) (none when nothing fitted, or long_context is None).
+
+    known: a profile measured before (by an earlier process, whose budget ran out): only the counts it lacks are
+    timed, and their values join it at its level (this run's ratios to T(1) times its T(1)).
+    """
+    start = clock()
+    if known is not None and known.base_context != base_context:
+        known = None
+    forward_budget = budget_s * (1 - context_share) if long_context else budget_s
+    forward, level, rounds, forward_timed = _profile_forward(time_forward, base_context, row_counts, repeats, known,
+                                                             start, forward_budget, clock)
+    context, context_timed = known.context if known else None, ()
+    if long_context is not None and long_context > base_context:
+        context, context_timed = _profile_context(time_forward, forward, context, level, base_context, long_context,
+                                                  context_row_counts, context_repeats, start, budget_s, clock)
+    return ProfileRun(CostSamples(forward, context, base_context), clock() - start, rounds, forward_timed,
+                      context_timed)
+
+
+def _profile_forward(time_forward, base_context: int, row_counts: SequenceOf[int], repeats: int,
+                     known: CostSamples | None, start: float, budget_s: float, clock):
+    """profile_costs' first part: (T(n) samples, the factor from this run's seconds to theirs, rounds, the counts
+    this run timed)."""
+    warm_up = time_forward(1, base_context)  # also T(1)'s first upper bound (a first forward may cost more)
+    # T(n) known before this run (in its units), and this run's row counts: T(1) is timed again in a continuation,
+    # for the level of this run's other timings (until then, the warm-up's level holds)
+    before, counts = ({1: warm_up}, list(row_counts)) if known is None else \
+        (dict(known.forward.values), [1, *untimed_row_counts(known, row_counts)])
+
+    def bound(n: int, timed: dict[int, float]) -> float:
+        scale = (timed[1] if timed else warm_up) / before[1]
+        values = {**{m: seconds * scale for m, seconds in before.items()}, **timed}
+        if _past_knee(n, values):
+            return float("inf")
+        largest = max(m for m in values if m <= n)
+        return values[largest] * n / largest
+
+    timed, rounds = _timed_rounds(time_forward, base_context, counts, repeats, bound, start, budget_s, clock)
+    level = _level(known.forward if known else None, timed)
+    forward = _merged(known.forward if known else None, timed, level)
+    if not forward.values:  # the warm-up alone took the budget: it is all there is
+        forward = RowSamples({1: warm_up}, {1: 1})
+    return forward, level, rounds, tuple(sorted(timed.values))
+
+
+def _profile_context(time_forward, forward: RowSamples, context: RowSamples | None, level: float, base_context: int,
+                     long_context: int, row_counts: SequenceOf[int], repeats: int, start: float, budget_s: float,
+                     clock) -> tuple[RowSamples | None, tuple[int, ...]]:
+    """profile_costs' second part: the context cost samples (those known before, plus the row counts of T(n) they
+    lack) and the counts this run timed. level: this run's seconds -> the samples'."""
+    wanted = [n for n in row_counts if n in forward.values and (context is None or n not in context.values)]
+    at_base = [seconds / level for seconds in forward.curve()]  # T(n) at the base context, this run's units
+
+    def bound(n: int, timed: dict[int, float]) -> float:
+        if 1 not in timed:
+            return 2.0 * at_base[n - 1]  # a guess: the long context doubles a forward
+        # what the context adds to one row, for each of the n rows; or the largest count timed, scaled
+        per_rows = at_base[n - 1] + n * max(0.0, timed[1] - at_base[0])
+        largest = max(m for m in timed if m <= n)
+        return max(per_rows, timed[largest] * n / largest) if largest > 1 else per_rows
+
+    timed, _ = _timed_rounds(time_forward, long_context, wanted, repeats, bound, start, budget_s, clock)
+    extra = long_context - base_context
+    per_token = {n: max(0.0, (seconds * level - forward.values[n]) / extra)
+                 for n, seconds in timed.values.items() if n in wanted}
+    if per_token:
+        context = _merged(context, RowSamples(per_token, {n: timed.counts[n] for n in per_token}), 1.0)
+    return context, tuple(sorted(per_token))
+
+
+def _level(known: RowSamples | None, timed: RowSamples) -> float:
+    """Factor from this run's level to the known profile's: known T(1) / T(1) timed now (1 without either)."""
+    return known.values[1] / timed.values[1] if known is not None and 1 in known.values and 1 in timed.values else 1.0
+
+
+def _merged(known: RowSamples | None, timed: RowSamples, level: float) -> RowSamples:
+    """The known samples plus the row counts they lack from timed (scaled by level)."""
+    values, counts = (dict(known.values), dict(known.counts)) if known is not None else ({}, {})
+    for n, value in timed.values.items():
+        if n not in values:
+            values[n], counts[n] = value * level, timed.counts[n]
+    return RowSamples(values, counts, known.max_rows if known is not None else timed.max_rows)
+
+
+def _timed_rounds(time_forward, context: int, row_counts: SequenceOf[int], repeats: int,
+                  bound: Callable[[int, dict[int, float]], float], start: float, budget_s: float,
+                  clock) -> tuple[RowSamples, int]:
+    """T(n) at `context` cached tokens from paired rounds (see profile_costs) while they fit budget_s since start,
+    with the number of pairs behind each value, and the number of rounds that timed anything. bound(n, timed): an
+    upper bound of T(n) given the {n: T(n)} this call has timed so far (inf: not to be timed)."""
+    one_row: list[float] = []
+    ratios: dict[int, list[float]] = {}
+
+    def timed() -> dict[int, float]:
+        if not one_row:
+            return {}
+        one_row_s = statistics.median(one_row)
+        return {1: one_row_s, **{n: one_row_s * statistics.median(r) for n, r in ratios.items()}}
+
+    rounds = 0
+    for _ in range(repeats if row_counts else 0):
+        timed_in_round = False
+        for n in row_counts:
+            so_far = timed()
+            if clock() - start + bound(1, so_far) + (bound(n, so_far) if n > 1 else 0.0) > budget_s:
+                continue
+            one_row_s = time_forward(1, context)
+            one_row.append(one_row_s)
+            if n > 1:
+                ratios.setdefault(n, []).append(time_forward(n, context) / one_row_s)
+            timed_in_round = True
+        if not timed_in_round:
+            break
+        rounds += 1
+    values = timed()
+    return RowSamples(values, {n: len(ratios[n]) if n > 1 else len(one_row) for n in values}), rounds
+
+
+class _ForwardTimer:
+    """time_forward for `profile_costs` on a real model: one sequence in a cache whose keys and values up to
+    max_context are random numbers. A forward's cost does not depend on the values it attends to, so no prefill is
+    needed — on a machine running the scalar kernels a 1024-token prefill alone would take minutes."""
+
+    def __init__(self, model, max_context: int, max_rows: int) -> None:
+        from specdec.cache.kv_cache import KVCache
+
+        self.model = model
+        self.cache = KVCache(model.config, 1, max_context + max_rows + 1, model.device, dtype=model.kv_cache_dtype)
+        generator = torch.Generator(device=self.cache.keys[0].device).manual_seed(0)
+        for entries in self.cache.keys + self.cache.values:  # each [1, kv_heads, positions, head_dim]
+            entries[:, :, :max_context].normal_(generator=generator)
+        token_generator = torch.Generator().manual_seed(0)
+        self.token_ids = torch.randint(0, model.config.vocab_size, (max_rows,), generator=token_generator).tolist()
+        self.batches: dict[tuple[int, int], object] = {}
+
+    def __call__(self, rows: int, context: int) -> float:
+        from specdec.engine.batch import ForwardBatch
+
+        batch = self.batches.get((rows, context))
+        if batch is None:
+            batch = self.batches[rows, context] = ForwardBatch.build([self.token_ids[:rows]], [context], [0],
+                                                                     all_logits=True, device=self.model.device)
+        return _timed_forward(self.model, batch, self.cache)
+
+
+def measure_cost_profile(model, budget_s: float = PROFILE_BUDGET_S, row_counts: SequenceOf[int] = PROFILE_ROW_COUNTS,
+                         repeats: int = 5, base_context: int = 128, known: CostSamples | None = None) -> ProfileRun:
+    """`profile_costs` on a specdec Transformer: T(n) after base_context cached tokens, and the context costs up to
+    1024 tokens (fewer when the model's context is shorter; none below base_context + 128). Rows of one sequence
+    stand for the rows of a batch: the weights are streamed once per forward either way. known: see profile_costs."""
+    long_context = _long_context(model, max(row_counts), base_context)
+    timer = _ForwardTimer(model, long_context or base_context, max(row_counts))
+    return profile_costs(timer, budget_s, base_context=base_context, long_context=long_context, row_counts=row_counts,
+                         repeats=repeats, known=known)
+
+
+def _long_context(model, max_rows: int, base_context: int) -> int | None:
     long_context = min(1024, model.config.max_position_embeddings - max_rows - 1)
-    context = measure_context_costs(model, forward, long_context=long_context) if long_context > 256 else None
-    return CostProfile(forward, context)
+    return long_context if long_context >= base_context + 128 else None
+
+
+def _worth_continuing(samples: CostSamples, long_context: int | None, budget_s: float) -> bool:
+    """Whether a profile an earlier process left incomplete has a row count still to time that one pair of forwards
+    (bounded from what it holds) fits the budget for: after a warm-up and a T(1), T(n) at the base context; or
+    for a missing context cost, two such pairs at the long context, taken as twice as dear."""
+    curve = samples.forward.curve()
+    forward_budget = budget_s * (1 - CONTEXT_SHARE)
+    if any(3 * curve[0] + curve[n - 1] <= forward_budget for n in untimed_row_counts(samples)):
+        return True
+    if long_context is None or samples.base_context >= long_context:
+        return False
+    missing = [n for n in CONTEXT_PROFILE_ROWS
+               if n in samples.forward.values and (samples.context is None or n not in samples.context.values)]
+    return any(curve[0] + 4 * (curve[0] + curve[n - 1]) <= budget_s * CONTEXT_SHARE for n in missing)
 
 
 def prefilled_row_batches(model, cache, slot: int, context: int, row_counts: SequenceOf[int], max_rows: int) -> dict:
@@ -448,16 +786,6 @@ def _timed_forward(model, batch, cache) -> float:
     return time.perf_counter() - start
 
 
-def monotone(seconds: SequenceOf[float]) -> tuple[float, ...]:
-    """T(n) = min over m >= n of the measured T(m): more rows never cost less, so a lone slow sample (another
-    process on the cores) is discarded rather than taken as a cliff."""
-    result, lowest = [], float("inf")
-    for value in reversed(seconds):
-        lowest = min(lowest, value)
-        result.append(lowest)
-    return tuple(reversed(result))
-
-
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -500,7 +828,7 @@ class ProfileKey:
     threads: int
     machine: str
     kernels: str = "torch"  # kernels.ops.kernel_build_id(): a rebuilt kernel measures afresh
-    protocol: int = 3  # how costs are measured (3: paired ratios, context costs): a new one measures afresh
+    protocol: int = 4  # how costs are measured (4: budgeted samples, learned online): a new one measures afresh
 
     @classmethod
     def current(cls, model_name_or_path: str, weight_format: str, device: str | torch.device = "cpu") -> ProfileKey:
@@ -522,13 +850,16 @@ def costs_dir() -> Path:
 
 
 def save_profile(key: ProfileKey, profile: CostProfile, extra: dict | None = None) -> Path:
+    """Writes the profile under key (atomically: a reader sees the old file or the new one). With samples, those
+    are what a later load reads back; forward_s and context are their curves, for people and other tools."""
     path = costs_dir() / key.filename()
     path.parent.mkdir(parents=True, exist_ok=True)
     context = profile.context
     payload = {"key": dataclasses.asdict(key), "forward_s": list(profile.forward.seconds),
                "context": None if context is None else {"base_context": context.base_context,
                                                         "per_token_s": list(context.per_token_s)},
-               "measured_at": time.time(), **(extra or {})}
+               "samples": None if profile.samples is None else profile.samples.to_json(),
+               "saved_at": time.time(), **(extra or {})}
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(payload, indent=2))
     os.replace(partial, path)
@@ -542,23 +873,38 @@ def load_profile(key: ProfileKey) -> CostProfile | None:
         payload = json.loads(path.read_text())
         if payload["key"] != dataclasses.asdict(key):
             return None
+        if payload.get("samples") is not None:
+            return CostSamples.from_json(payload["samples"]).profile()
         context = payload.get("context")
         return CostProfile(ForwardCosts(tuple(float(s) for s in payload["forward_s"])),
                            None if context is None else ContextCosts(int(context["base_context"]),
                                                                      tuple(float(s) for s in context["per_token_s"])))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def load_or_measure(model, key: ProfileKey, max_rows: int = MAX_PROFILE_ROWS) -> CostProfile:
-    """The cached profile for key, else one measured now (with a notice on stderr) and cached; an unwritable
-    cache keeps the measurement for this run only."""
+def load_or_measure(model, key: ProfileKey, budget_s: float = PROFILE_BUDGET_S) -> CostProfile:
+    """The cached profile for key, else one measured now within budget_s (`measure_cost_profile`; one line on stderr
+    says what and how long) and cached; an unwritable cache keeps the measurement for this process only. A cached
+    profile whose budget ran out before some row counts (or context costs) it wants is continued, within the same
+    budget, when one of them can fit (so each start is bounded, and the profile completes over a few starts)."""
     cached = load_profile(key)
-    if cached is not None and cached.forward.max_rows >= max_rows:
+    known = None if cached is None else cached.samples
+    if cached is not None and (known is None or not _worth_continuing(known, _long_context(model, MAX_PROFILE_ROWS,
+                                                                                          known.base_context), budget_s)):
         return cached
-    print(f"[measuring the forward costs of {key.model.split('@')[0]}: once per model, machine and kernel build]",
-          file=sys.stderr)
-    profile = measure_cost_profile(model, max_rows=max_rows)
+    name = key.model.split("@")[0]
+    what = "profiling the forward costs of" if known is None else "continuing the cost profile of"
+    print(f"[{what} {name} (at most {budget_s:g} s; once per model, machine and kernel build, then refined from the "
+          "timed steps) ...", end="", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    try:
+        run = measure_cost_profile(model, budget_s, known=known)
+    except BaseException:
+        print(" failed]", file=sys.stderr)
+        raise
+    print(f" {time.perf_counter() - started:.1f} s: {run.summary()}]", file=sys.stderr)
+    profile = run.samples.profile()
     try:
         save_profile(key, profile)
     except OSError:
