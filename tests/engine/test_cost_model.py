@@ -255,7 +255,7 @@ def test_a_forward_longer_than_the_budget_is_all_there_is():
     machine = FakeMachine(lambda rows, context: 20.0 * rows)
     run = profile_costs(machine, budget_s=8.0, clock=machine.clock)
     assert machine.forwards == [(1, 128)]  # the warm-up: nothing else fits
-    assert run.samples.forward.values == {1: 20.0} and run.samples.context is None
+    assert run.samples.one_row_s == 20.0 and run.samples.forward.values == {1: 1.0} and run.samples.context is None
     assert run.samples.profile().forward(4) == pytest.approx(80.0)  # n · T(1): no drafting will look cheap
 
 
@@ -274,37 +274,68 @@ def test_measure_cost_profile_on_a_tiny_model_needs_no_prefill(make_tiny_model):
 
 def measured_flat_to_four():
     """A profile that timed only n = 1, 2, 4 (10 ms each, say a slow first round): T(n) beyond is 10 ms · n / 4."""
-    return CostSamples(RowSamples({1: 0.010, 2: 0.010, 4: 0.010}, {1: 3, 2: 3, 4: 3}))
+    return CostSamples(0.010, RowSamples({1: 1.0, 2: 1.0, 4: 1.0}, {1: 3, 2: 3, 4: 3}), one_row_count=3)
+
+
+def forward_of(learner):
+    return learner.profile().forward
 
 
 def test_online_measurements_move_the_curve_towards_measured_costs():
     learner = ProfileLearner(measured_flat_to_four())
-    assert learner.forward()(8) == pytest.approx(0.020) and learner.forward().knee() == 8
+    assert forward_of(learner)(8) == pytest.approx(0.020) and forward_of(learner).knee() == 8
+    assert not learner.observe(8, 0.011)  # no one-row step yet: no level to measure 8 rows against
     for _ in range(100):
-        learner.observe(8, 0.011)  # 8 rows really cost 11 ms
-    assert learner.samples.forward.values[8] == pytest.approx(0.011, rel=0.01)  # from the bound of 20 ms
-    assert learner.forward()(6) == pytest.approx(0.0105, rel=0.01)  # between the measured 4 and 8
-    assert learner.forward()(16) == pytest.approx(0.022, rel=0.01) and learner.forward().knee() == 14  # 11 ms · 14 / 8
-    learner.observe(1, 0.020)  # a lone slow step moves a row count measured 3 times by a quarter
-    assert learner.samples.forward.values[1] == pytest.approx(0.010 + 0.25 * 0.010)
+        learner.observe(1, 0.010)  # one row: T(1)
+        learner.observe(8, 0.011)  # 8 rows really cost 11 ms, 1.1 T(1)
+    assert learner.samples.forward.values[8] == pytest.approx(1.1, rel=0.01)  # from the bound of 2 T(1)
+    assert forward_of(learner)(6) == pytest.approx(0.0105, rel=0.01)  # between the measured 4 and 8
+    assert forward_of(learner)(16) == pytest.approx(0.022, rel=0.01) and forward_of(learner).knee() == 14  # 1.1 · 14 / 8
+    count = learner.samples.one_row_count
+    learner.observe(1, 0.020)  # a lone slow one-row step moves T(1) by the weight of one of its measurements
+    assert learner.samples.one_row_s == pytest.approx(0.010 + max(1 / 32, 1 / (count + 1)) * 0.010)
+
+
+def test_a_slow_spell_moves_the_level_but_not_the_shape():
+    """Steps at 8 rows during a slow spell cost twice as much, and so do the one-row steps between them: T(8) / T(1)
+    stays. (Against the profile's T(1) instead, a spell would bend the curve — and one in which only T(1) was
+    measured left T(2) at 7x T(1), and the policy never drafted again.) Steps far from any one-row step say nothing
+    about the shape."""
+    learner = ProfileLearner(measured_flat_to_four())
+    for _ in range(100):
+        learner.observe(1, 2 * 0.010)
+        for _ in range(3):
+            learner.observe(8, 2 * 0.011)
+    assert learner.samples.forward.values[8] == pytest.approx(1.1, rel=0.01)
+    assert learner.samples.one_row_s == pytest.approx(0.020, rel=0.01)  # the level, learned
+    for _ in range(learner.level_horizon):
+        learner.observe(8, 0.011)
+    assert not learner.observe(8, 0.011)  # 17 steps after the last one-row step: its level is stale
 
 
 def test_online_measurements_never_make_the_curve_cheaper_than_measured():
     learner = ProfileLearner(measured_flat_to_four())
+    learner.observe(1, 0.010)
     learner.observe(3, 0.001)  # a step that looks 10x cheaper than T(2) measured
-    assert learner.forward()(3) == pytest.approx(0.010)  # more rows never cost less than fewer measured
-    learner.observe(16, 0.001)  # first step at 16 rows: starts from the bound (40 ms) as one observation, clipped
-    assert learner.samples.forward.values[16] == pytest.approx((0.040 + 0.040 / 3) / 2)
+    assert forward_of(learner)(3) == pytest.approx(0.010)  # more rows never cost less than fewer measured
+    learner.observe(16, 0.001)  # first step at 16 rows: from the bound (4 T(1)) as one observation,
+    assert learner.samples.forward.values[16] == pytest.approx((4.0 + 4.0 / 3) / 2)  # the step clipped to a third
     for _ in range(5000):
         learner.observe(1, 0.0001)  # many steps: the EMA follows, but each within max_jump of the estimate
-    assert learner.forward()(1) == pytest.approx(0.0001, rel=0.01) and learner.forward()(3) >= learner.forward()(2)
+    assert forward_of(learner)(1) == pytest.approx(0.0001, rel=0.01) and forward_of(learner)(3) >= forward_of(learner)(2)
+    learner.observe(1, 0.0001)
+    learner.observe(1, 0.0001)
+    learner.observe(1, 0.001)  # a lone slow one-row step does not set the level: the median of the last 5 does
+    learner.observe(2, 0.0001)
+    assert learner.samples.forward.values[2] == pytest.approx(1.0)
 
 
 def test_online_measurements_skip_steps_that_mostly_measure_the_context():
     learner = ProfileLearner(measured_flat_to_four())
+    learner.observe(1, 0.010)
     assert not learner.observe(2, 0.030, context_s=0.020)  # two thirds of it the sequences' long contexts
     assert learner.observe(2, 0.030, context_s=0.012)  # T(2) = 18 ms of it
-    assert learner.samples.forward.values[2] == pytest.approx(0.010 + 0.25 * 0.008)
+    assert learner.samples.forward.values[2] == pytest.approx(1.0 + 0.25 * 0.8)
 
 
 def test_learned_profile_is_saved_back_and_read_by_the_next_process(tmp_path, monkeypatch):
@@ -313,13 +344,15 @@ def test_learned_profile_is_saved_back_and_read_by_the_next_process(tmp_path, mo
     now = [0.0]
     learner = ProfileLearner(measured_flat_to_four(), key, save_every=4, min_save_interval_s=10.0,
                              clock=lambda: now[0])
-    for _ in range(3):
+    learner.observe(1, 0.011)
+    for _ in range(2):
         learner.observe(8, 0.012)
         assert learner.save_if_due() is None
     learner.observe(8, 0.012)
     assert learner.save_if_due() is not None  # the 4th new measurement
     loaded = cost_model.load_profile(key)
-    assert loaded.forward == learner.forward() and loaded.samples.forward.counts[8] == 5  # the bound + 4 steps
+    assert loaded.forward == forward_of(learner) and loaded.samples.forward.counts[8] == 4  # the bound + 3 steps
+    assert loaded.samples.one_row_count == 4 and loaded.samples.one_row_s == pytest.approx(0.01025)
     for _ in range(4):
         learner.observe(8, 0.012)
     assert learner.save_if_due() is None  # 4 more, but within 10 s of the last save

@@ -270,11 +270,13 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
 
     def _learn(self, cost: StepCost) -> None:
         """Folds the step's target seconds into the learned T(n) (ProfileLearner) and plans with the new curve: its
-        knee may have moved, e.g. once a row count reached under the conservative bound turns out cheaper."""
+        knee may have moved, e.g. once a row count reached under the conservative bound turns out cheaper. The
+        context part is the profile's at the calibrated level."""
         base = self.base_cost_model
         context_s = base.target_seconds(cost.rows, cost.draft_lengths, cost.contexts) - base.forward(cost.rows)
         if self.learner.observe(cost.rows, cost.target_s, context_s * (self.calibration.target_scale or 1.0)):
-            self.base_cost_model = dataclasses.replace(base, forward=self.learner.forward())
+            profile = self.learner.profile()
+            self.base_cost_model = dataclasses.replace(base, forward=profile.forward, context=profile.context)
             self.max_rows = min(self.base_cost_model.max_rows, self.max_verify_tokens)
             self.learner.save_if_due()
 

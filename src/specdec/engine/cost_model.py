@@ -188,9 +188,7 @@ class RowSamples:
             current, count = self.curve()[rows - 1], 1
         else:
             current, count = value, 0
-        if current > 0:
-            value = min(max(value, current / max_jump), current * max_jump)
-        self.values[rows] = current + max(weight_floor, 1 / (count + 1)) * (value - current)
+        self.values[rows] = folded(current, count, value, weight_floor, max_jump)
         self.counts[rows] = count + 1
 
     def to_json(self) -> dict:
@@ -202,33 +200,58 @@ class RowSamples:
                    max_rows)
 
 
+def folded(current: float, count: int, value: float, weight_floor: float = 1 / 32, max_jump: float = 3.0) -> float:
+    """current (the mean of `count` measurements) with one more: a running mean while 1 / (count + 1) exceeds
+    weight_floor, then an EMA of that weight; the new value clipped to [1 / max_jump, max_jump] times current."""
+    if current > 0:
+        value = min(max(value, current / max_jump), current * max_jump)
+    return current + max(weight_floor, 1 / (count + 1)) * (value - current)
+
+
 @dataclass
 class CostSamples:
     """What was measured of a model's costs on this machine, from which its `CostProfile` follows; the engine's timed
     steps keep refining it (`ProfileLearner`).
 
-    forward: T(n) after `base_context` cached tokens, at the row counts measured.
-    context: seconds per context token beyond base_context for a sequence with n rows (see ContextCosts), at the
-        row counts measured; None when not measured (the model's context is short, or the budget ran out).
+    The shape of the costs is kept apart from their level: a count timed while another process held the cores,
+    next to T(1) refined later on an idle machine, would otherwise bend the curve for good (measured: T(2) timed at
+    738 ms in a compile's slow spell, T(1) then learned at 100 ms, and the policy never drafted again).
+
+    one_row_s: T(1) after `base_context` cached tokens, seconds (one_row_count measurements behind it).
+    forward: T(n) / T(1) at the row counts measured (1 at n = 1): measured in pairs with T(1) (`profile_costs`), or
+        against the level of the moment (`ProfileLearner`).
+    context: seconds per context token beyond base_context for a sequence with n rows (see ContextCosts), over T(1),
+        at the row counts measured; None when not measured (the model's context is short, or the budget ran out).
     """
 
+    one_row_s: float
     forward: RowSamples
     context: RowSamples | None = None
     base_context: int = 128
+    one_row_count: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.one_row_s > 0 or self.forward.values.get(1) != 1.0:
+            raise ValueError(f"CostSamples needs T(1) > 0 and ratios with 1 at n = 1, got {self.one_row_s}, "
+                             f"{self.forward.values}")
 
     def profile(self) -> CostProfile:
-        context = None if self.context is None else ContextCosts(self.base_context, self.context.curve())
-        return CostProfile(ForwardCosts(self.forward.curve()), context, self)
+        one_row_s = self.one_row_s
+        context = None if self.context is None else \
+            ContextCosts(self.base_context, tuple(one_row_s * ratio for ratio in self.context.curve()))
+        return CostProfile(ForwardCosts(tuple(one_row_s * ratio for ratio in self.forward.curve())), context, self)
 
     def to_json(self) -> dict:
-        return {"base_context": self.base_context, "forward": self.forward.to_json(),
-                "context": None if self.context is None else self.context.to_json()}
+        return {"base_context": self.base_context, "one_row_s": [self.one_row_s, self.one_row_count],
+                "forward_ratios": self.forward.to_json(),
+                "context_ratios": None if self.context is None else self.context.to_json()}
 
     @classmethod
     def from_json(cls, payload: dict) -> CostSamples:
-        context = payload.get("context")
-        return cls(RowSamples.from_json(payload["forward"]), None if context is None else RowSamples.from_json(context),
-                   int(payload["base_context"]))
+        context = payload.get("context_ratios")
+        one_row_s, count = payload["one_row_s"]
+        return cls(float(one_row_s), RowSamples.from_json(payload["forward_ratios"]),
+                   None if context is None else RowSamples.from_json(context), int(payload["base_context"]), int(count))
 
 
 @dataclass(frozen=True)
@@ -460,16 +483,21 @@ class ProfileLearner:
     """Refines a profile's T(n) with the target forwards the engine times, and keeps its cached file up to date.
 
     The profile measured at first use times a few row counts within a budget (`profile_costs`); the rest of T(n) is
-    an upper bound (`RowSamples.curve`). Every decode step measures T at its row count: `observe` folds the step's
-    target seconds, less what its sequences' contexts add (`ContextCosts`, at the measured level), into that row
-    count's value. Steps whose context part is over half of the step say more about the context costs than about
-    T(n), and are left out. So a row count the policy uses converges to what it costs here, and one reached for the
-    first time — the conservative extrapolation is what lets the policy try it at all — replaces the bound by a
-    measurement; the knee and the draft lengths follow. Every `save_every` new measurements (at most every
-    `min_save_interval_s`), the refined samples are written back under `key`, so the next process starts from them.
+    bounded from them (`RowSamples.curve`). Every decode step measures T at its row count n, less what its
+    sequences' contexts add (`ContextCosts`); a step whose context part is over `max_context_share` of it says more
+    about the context than about T(n), and is left out. A one-row step is folded into T(1), the level. A step of n
+    rows is folded into T(n) / T(1), against the level of the moment: the median of the last `recent` one-row
+    steps, if the latest of them is at most `level_horizon` steps old (otherwise the step is not learned from). So
+    the profile's shape — measured in pairs with T(1) — is compared with T(1) measured at about the same time, and a
+    slow spell of the machine moves the level, not the shape (measured: a profile timed in a compile's slow spell
+    with T(1) then learned at an idle 100 ms left T(2) at 7x T(1), and the policy never drafted again). A count the
+    policy reaches for the first time (the conservative bound is what lets it try one at all) replaces the bound by a
+    measurement; the knee and the draft lengths follow. Each value is a running mean, then an EMA of weight
+    `weight_floor` per step. Every `save_every` new measurements (at most every `min_save_interval_s`), the samples
+    are written back under `key`, so the next process starts from them.
 
-    The policy's `CostCalibration` still scales the whole curve to the level of the moment (another process on the
-    cores); this curve follows the long-run cost at each row count (EMA weight `weight_floor` per step).
+    Where the steps never verify one row (drafts that always hit), nothing tells the shape from the level: T(n) /
+    T(1) stays as profiled, and the policy's calibration (`CostCalibration`) follows the level.
     """
 
     samples: CostSamples
@@ -477,23 +505,40 @@ class ProfileLearner:
     weight_floor: float = 1 / 32
     max_jump: float = 3.0
     max_context_share: float = 0.5
+    recent: int = 5
+    level_horizon: int = 16
     save_every: int = 32
     min_save_interval_s: float = 2.0
     clock: Callable[[], float] = time.monotonic
     unsaved: int = 0
     last_save: float | None = None
+    recent_one_row_s: list[float] = field(default_factory=list)  # the last `recent` one-row steps' seconds
+    steps_since_one_row: int | None = None  # None: no one-row step yet
 
     def observe(self, rows: int, target_s: float, context_s: float = 0.0) -> bool:
         """A target forward of `rows` rows took target_s seconds, context_s of which the context costs account for.
         Returns whether T(n) changed."""
+        if self.steps_since_one_row is not None:
+            self.steps_since_one_row += 1
         if not target_s > 0 or not 0 <= context_s <= self.max_context_share * target_s:
             return False
-        self.samples.forward.observe(rows, target_s - context_s, self.weight_floor, self.max_jump)
+        seconds, samples = target_s - context_s, self.samples
+        if rows == 1:
+            self.recent_one_row_s = [*self.recent_one_row_s[1 - self.recent:], seconds]
+            self.steps_since_one_row = 0
+            samples.one_row_s = folded(samples.one_row_s, samples.one_row_count, seconds, self.weight_floor,
+                                       self.max_jump)
+            samples.one_row_count += 1
+        elif self.steps_since_one_row is not None and self.steps_since_one_row <= self.level_horizon:
+            samples.forward.observe(rows, seconds / statistics.median(self.recent_one_row_s), self.weight_floor,
+                                    self.max_jump)
+        else:
+            return False
         self.unsaved += 1
         return True
 
-    def forward(self) -> ForwardCosts:
-        return ForwardCosts(self.samples.forward.curve())
+    def profile(self) -> CostProfile:
+        return self.samples.profile()
 
     def save_if_due(self) -> Path | None:
         """Writes the samples back under key when save_every measurements are unsaved (and the last save is at least
@@ -537,12 +582,13 @@ class ProfileRun:
 
 def untimed_row_counts(samples: CostSamples, row_counts: SequenceOf[int] = PROFILE_ROW_COUNTS) -> list[int]:
     """The row counts a profile has not timed yet and still wants: not past its knee (PAST_KNEE_RATIO)."""
-    values = samples.forward.values
-    return [n for n in row_counts if n not in values and not _past_knee(n, values)]
+    ratios = samples.forward.values
+    return [n for n in row_counts if n not in ratios and not _past_knee(n, ratios)]
 
 
 def _past_knee(n: int, values: dict[int, float]) -> bool:
-    return 1 in values and any(m < n and seconds > PAST_KNEE_RATIO * values[1] for m, seconds in values.items())
+    """Whether some count m < n costs more than PAST_KNEE_RATIO · T(1) (values: T(m) or T(m) / T(1), by m)."""
+    return 1 in values and any(m < n and value > PAST_KNEE_RATIO * values[1] for m, value in values.items())
 
 
 def profile_costs(time_forward: Callable[[int, int], float], budget_s: float = PROFILE_BUDGET_S,
@@ -572,49 +618,51 @@ def profile_costs(time_forward: Callable[[int, int], float], budget_s: float = P
     if known is not None and known.base_context != base_context:
         known = None
     forward_budget = budget_s * (1 - context_share) if long_context else budget_s
-    forward, level, rounds, forward_timed = _profile_forward(time_forward, base_context, row_counts, repeats, known,
-                                                             start, forward_budget, clock)
+    one_row_s, one_row_count, forward, rounds, forward_timed = _profile_forward(
+        time_forward, base_context, row_counts, repeats, known, start, forward_budget, clock)
     context, context_timed = known.context if known else None, ()
     if long_context is not None and long_context > base_context:
-        context, context_timed = _profile_context(time_forward, forward, context, level, base_context, long_context,
+        context, context_timed = _profile_context(time_forward, one_row_s, forward, context, base_context, long_context,
                                                   context_row_counts, context_repeats, start, budget_s, clock)
-    return ProfileRun(CostSamples(forward, context, base_context), clock() - start, rounds, forward_timed,
-                      context_timed)
+    if known is not None:  # T(1) timed now only set this run's level; the profile's is the long-run one
+        one_row_s, one_row_count = known.one_row_s, known.one_row_count
+    samples = CostSamples(one_row_s, forward, context, base_context, one_row_count)
+    return ProfileRun(samples, clock() - start, rounds, forward_timed, context_timed)
 
 
 def _profile_forward(time_forward, base_context: int, row_counts: SequenceOf[int], repeats: int,
                      known: CostSamples | None, start: float, budget_s: float, clock):
-    """profile_costs' first part: (T(n) samples, the factor from this run's seconds to theirs, rounds, the counts
-    this run timed)."""
+    """profile_costs' first part: (T(1) timed now, the pairs behind it, the ratios T(n) / T(1) known before or timed
+    now, rounds, the counts timed now)."""
     warm_up = time_forward(1, base_context)  # also T(1)'s first upper bound (a first forward may cost more)
-    # T(n) known before this run (in its units), and this run's row counts: T(1) is timed again in a continuation,
-    # for the level of this run's other timings (until then, the warm-up's level holds)
-    before, counts = ({1: warm_up}, list(row_counts)) if known is None else \
-        (dict(known.forward.values), [1, *untimed_row_counts(known, row_counts)])
+    # the ratios known before this run; in a continuation T(1) is timed again, for this run's level
+    before, counts = ({1: 1.0}, list(row_counts)) if known is None else \
+        (known.forward.values, [1, *untimed_row_counts(known, row_counts)])
 
     def bound(n: int, timed: dict[int, float]) -> float:
-        scale = (timed[1] if timed else warm_up) / before[1]
-        values = {**{m: seconds * scale for m, seconds in before.items()}, **timed}
+        one_row_s = timed.get(1, warm_up)
+        values = {**{m: ratio * one_row_s for m, ratio in before.items()}, **timed}
         if _past_knee(n, values):
             return float("inf")
         largest = max(m for m in values if m <= n)
         return values[largest] * n / largest
 
     timed, rounds = _timed_rounds(time_forward, base_context, counts, repeats, bound, start, budget_s, clock)
-    level = _level(known.forward if known else None, timed)
-    forward = _merged(known.forward if known else None, timed, level)
-    if not forward.values:  # the warm-up alone took the budget: it is all there is
-        forward = RowSamples({1: warm_up}, {1: 1})
-    return forward, level, rounds, tuple(sorted(timed.values))
+    if not timed.values:  # the warm-up alone took the budget: it is all there is
+        timed = RowSamples({1: warm_up}, {1: 1})
+    one_row_s = timed.values[1]
+    ratios = RowSamples({n: seconds / one_row_s for n, seconds in timed.values.items()}, dict(timed.counts))
+    forward = ratios if known is None else _merged(known.forward, ratios)
+    return one_row_s, timed.counts[1], forward, rounds, tuple(sorted(timed.values))
 
 
-def _profile_context(time_forward, forward: RowSamples, context: RowSamples | None, level: float, base_context: int,
-                     long_context: int, row_counts: SequenceOf[int], repeats: int, start: float, budget_s: float,
-                     clock) -> tuple[RowSamples | None, tuple[int, ...]]:
+def _profile_context(time_forward, one_row_s: float, forward: RowSamples, context: RowSamples | None,
+                     base_context: int, long_context: int, row_counts: SequenceOf[int], repeats: int, start: float,
+                     budget_s: float, clock) -> tuple[RowSamples | None, tuple[int, ...]]:
     """profile_costs' second part: the context cost samples (those known before, plus the row counts of T(n) they
-    lack) and the counts this run timed. level: this run's seconds -> the samples'."""
+    lack) and the counts timed now. one_row_s: T(1) at the base context, timed now; forward: T(n) / T(1)."""
     wanted = [n for n in row_counts if n in forward.values and (context is None or n not in context.values)]
-    at_base = [seconds / level for seconds in forward.curve()]  # T(n) at the base context, this run's units
+    at_base = [ratio * one_row_s for ratio in forward.curve()]  # T(n) at the base context, at this run's level
 
     def bound(n: int, timed: dict[int, float]) -> float:
         if 1 not in timed:
@@ -625,25 +673,20 @@ def _profile_context(time_forward, forward: RowSamples, context: RowSamples | No
         return max(per_rows, timed[largest] * n / largest) if largest > 1 else per_rows
 
     timed, _ = _timed_rounds(time_forward, long_context, wanted, repeats, bound, start, budget_s, clock)
-    extra = long_context - base_context
-    per_token = {n: max(0.0, (seconds * level - forward.values[n]) / extra)
-                 for n, seconds in timed.values.items() if n in wanted}
-    if per_token:
-        context = _merged(context, RowSamples(per_token, {n: timed.counts[n] for n in per_token}), 1.0)
-    return context, tuple(sorted(per_token))
+    extra = (long_context - base_context) * one_row_s
+    ratios = {n: max(0.0, (seconds - forward.values[n] * one_row_s) / extra)
+              for n, seconds in timed.values.items() if n in wanted}
+    if ratios:
+        context = _merged(context, RowSamples(ratios, {n: timed.counts[n] for n in ratios}))
+    return context, tuple(sorted(ratios))
 
 
-def _level(known: RowSamples | None, timed: RowSamples) -> float:
-    """Factor from this run's level to the known profile's: known T(1) / T(1) timed now (1 without either)."""
-    return known.values[1] / timed.values[1] if known is not None and 1 in known.values and 1 in timed.values else 1.0
-
-
-def _merged(known: RowSamples | None, timed: RowSamples, level: float) -> RowSamples:
-    """The known samples plus the row counts they lack from timed (scaled by level)."""
+def _merged(known: RowSamples | None, timed: RowSamples) -> RowSamples:
+    """The known samples plus the row counts they lack from timed."""
     values, counts = (dict(known.values), dict(known.counts)) if known is not None else ({}, {})
     for n, value in timed.values.items():
         if n not in values:
-            values[n], counts[n] = value * level, timed.counts[n]
+            values[n], counts[n] = value, timed.counts[n]
     return RowSamples(values, counts, known.max_rows if known is not None else timed.max_rows)
 
 
@@ -728,7 +771,7 @@ def _worth_continuing(samples: CostSamples, long_context: int | None, budget_s: 
     """Whether a profile an earlier process left incomplete has a row count still to time that one pair of forwards
     (bounded from what it holds) fits the budget for: after a warm-up and a T(1), T(n) at the base context; or
     for a missing context cost, two such pairs at the long context, taken as twice as dear."""
-    curve = samples.forward.curve()
+    curve = samples.profile().forward.seconds
     forward_budget = budget_s * (1 - CONTEXT_SHARE)
     if any(3 * curve[0] + curve[n - 1] <= forward_budget for n in untimed_row_counts(samples)):
         return True
