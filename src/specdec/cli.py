@@ -138,8 +138,10 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
     from specdec.kernels import build_kernels
 
     started = time.perf_counter()
-    build_kernels()
-    print(f"kernels ready ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    ext = build_kernels()
+    built = "the installed build" if ext.build_origin == "installed" else f"the development build in {ext.build_origin}"
+    print(f"kernels ready: {built} ({ext.build_digest}; paths this CPU runs: {', '.join(ext.supported_isas())}) "
+          f"({time.perf_counter() - started:.1f} s)", file=sys.stderr)
     return 0
 
 
@@ -231,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_draft = commands.add_parser("train-draft", help="train an EAGLE head or Medusa heads for a target (self-distillation)")
     add_train_draft_arguments(train_draft)
     train_draft.set_defaults(handler=cmd_train_draft)
-    commands.add_parser("build-kernels", help="compile the CPU kernels now (otherwise done on first use)").set_defaults(
+    commands.add_parser("build-kernels", help="check that the CPU kernels pip installed match their sources; else "
+                                              "compile them now (otherwise done on first use)").set_defaults(
         handler=cmd_build_kernels)
     return parser
 

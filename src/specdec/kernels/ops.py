@@ -1,8 +1,9 @@
 """Row-invariant CPU kernels: int8 weight-only linear and range attention.
 
-The compiled extension (``q8_kernels.cpp``) is built lazily with
-``torch.utils.cpp_extension.load`` on first use (or eagerly via
-:func:`build_kernels`) into ``$XDG_CACHE_HOME/specdec/kernels/<hash>``.
+The compiled extension (``q8_kernels.cpp`` with ``csrc/*.h``) is built when the package is installed
+(``setup.py``: ``specdec.kernels._q8``); where its sources were edited since (an editable install) or it is missing,
+it is compiled with ``torch.utils.cpp_extension.load`` on first use (or by :func:`build_kernels`) into
+``$XDG_CACHE_HOME/specdec/kernels/<digest>`` (see ``kernels/build.py``).
 
 Guarantees of the CPU kernels. One binary holds four paths -- scalar (portable, the executable
 specification), avx2 (AVX2 + FMA + F16C), avx512 (AVX-512 VNNI) and amx (AMX-INT8 tiles) -- and runs the best
@@ -28,14 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import os
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from specdec.kernels import build as _kernel_build
 
 __all__ = [
     "QuantizedWeight",
@@ -55,18 +56,6 @@ __all__ = [
     "kernel_build_id",
 ]
 
-_SRC = Path(__file__).with_name("q8_kernels.cpp")
-
-
-def _sources() -> list[Path]:
-    """The translation unit and the headers it includes (csrc/): a change of any of them is a new build."""
-    return [_SRC, *sorted(_SRC.with_name("csrc").glob("*.h"))]
-
-# -fopenmp: at::parallel_for is an inline template compiled into this extension; without OpenMP its parallel
-# regions run on one thread. The extension then links libgomp.so.1 by soname, which resolves to the copy torch
-# has already loaded, so both share one thread pool.
-_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
-_LDFLAGS = ["-fopenmp"]
 GROUP = 512  # 16 blocks of 32, interleaved (see q8_kernels.cpp)
 CHUNK = 64  # K is padded to a multiple of CHUNK
 BLOCK = 32  # activation quantization block
@@ -76,35 +65,32 @@ BLOCK = 32  # activation quantization block
 
 
 def _build_dir() -> tuple[str, str]:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    h = hashlib.sha256()
-    for source in _sources():
-        h.update(source.read_bytes())
-    h.update(torch.__version__.encode())
-    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
-    digest = h.hexdigest()[:16]
-    return os.path.join(base, "specdec", "kernels", digest), digest
+    """The development build's directory for the sources on disk, and their digest (flags: build_spec.py)."""
+    digest = _kernel_build.source_digest()
+    return str(_kernel_build.jit_build_dir(digest)), digest
+
+
+_build_failures: list[str] = []  # why the extension could not be loaded (kernel_report's reason)
 
 
 @functools.cache
 def _build(verbose: bool = False):
-    from torch.utils.cpp_extension import load
-
-    path, digest = _build_dir()
-    os.makedirs(path, exist_ok=True)
-    return load(
-        name=f"specdec_q8_{digest}",
-        sources=[str(_SRC)],
-        extra_cflags=_CFLAGS,
-        extra_ldflags=_LDFLAGS,
-        build_directory=path,
-        verbose=verbose,
-    )
+    try:
+        return _kernel_build.load_extension(verbose)
+    except Exception as exc:
+        _build_failures.append(f"{type(exc).__name__}: {exc}")
+        raise
 
 
 def build_kernels(verbose: bool = False):
-    """Compile (if needed) and load the extension; raises on failure."""
+    """Load the extension, compiling it first when the installed build is missing or older than the sources on disk
+    (editable install); raises on failure. The module's ``build_origin`` says which ("installed" or a directory)."""
     return _build(verbose)
+
+
+def build_failure() -> str | None:
+    """Why the last attempt to build or load the extension in this process failed (None: it did not fail)."""
+    return _build_failures[-1] if _build_failures else None
 
 
 @functools.cache
@@ -180,7 +166,8 @@ def kernel_build_id() -> str:
     ext = _load()
     if ext is None:
         return "torch"
-    return "q8-" + ext.__name__.removeprefix("specdec_q8_") + "-" + ext.isa()
+    digest = getattr(ext, "build_digest", None) or ext.__name__.removeprefix("specdec_q8_")
+    return "q8-" + digest + "-" + ext.isa()
 
 
 def parallel_threads(n: int) -> int:
