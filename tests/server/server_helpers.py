@@ -75,8 +75,10 @@ def start_server(llm, config: ServerConfig | None = None) -> RunningServer:
 
 
 def tiny_llm(make_tiny_model, tiny_tokenizer, speculative_config=None, max_num_seqs=4) -> LLM:
+    """A fixed draft length: the tests count drafts and accepted tokens, which the adaptive policy would make depend
+    on how fast this machine runs the model and the drafter."""
     return LLM(loaded=(make_tiny_model("llama"), tiny_tokenizer), speculative_config=speculative_config,
-               max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs)
+               max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs, draft_policy="fixed")
 
 
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
