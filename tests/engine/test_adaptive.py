@@ -1,5 +1,9 @@
 """Adaptive draft length: EMA acceptance per position, k from the cost model, the re-probe after k = 0, and
-greedy output identical to plain decoding (batch 1 and 4) on tiny models."""
+greedy output identical to plain decoding (batch 1 and 4) on tiny models. Every cost a policy plans with is
+synthetic: a given CostModel, steps timed by it (`SyntheticTimings`) or by hand (StepCost), profiles measured on a
+fake clock."""
+import dataclasses
+
 import pytest
 
 from specdec.config import SamplingParams
@@ -98,8 +102,19 @@ def test_build_draft_policy_choices():
         build_draft_policy("sometimes", 4, 32)
 
 
-def run_adaptive(model, tokenizer, prompts, params, drafter, cost_model=None, k=4):
-    return run(model, tokenizer, prompts, params, drafter, k=k, draft_policy=AdaptiveDraftPolicy(k, cost_model))
+class SyntheticTimings(AdaptiveDraftPolicy):
+    """The adaptive policy with each engine step timed by its synthetic cost model, not by this machine's clock: its
+    choices then depend on the tokens alone, on any machine."""
+
+    def observe_step(self, cost):
+        base = self.base_cost_model
+        super().observe_step(dataclasses.replace(
+            cost, target_s=base.target_seconds(cost.rows, cost.draft_lengths, cost.contexts),
+            draft_s=base.drafter(cost.draft_lengths)))
+
+
+def run_adaptive(model, tokenizer, prompts, params, drafter, cost_model, k=4):
+    return run(model, tokenizer, prompts, params, drafter, k=k, draft_policy=SyntheticTimings(k, cost_model))
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
