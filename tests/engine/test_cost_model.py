@@ -418,3 +418,13 @@ def test_a_profile_cut_short_by_its_budget_is_continued_at_the_next_start(make_t
     for n in range(1, 33):
         assert profile.forward(n) == pytest.approx(0.3 + 0.005 * n + 1e-6 * n * 128, rel=1e-9), n  # the first level
     assert profile.context(32, 1128) == pytest.approx(32e-3, rel=1e-6)
+
+
+def test_a_profile_nothing_more_fits_in_is_not_continued(make_tiny_model, tmp_path, monkeypatch):
+    """T(1) = 6 s (a big model on the scalar kernels): the first start timed the warm-up only; later starts would
+    spend their budget timing nothing new, so they use it as it is."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    key = ProfileKey.current("tiny-llama", "q8")
+    cost_model.save_profile(key, CostSamples(6.0, RowSamples({1: 1.0}, {1: 1})).profile())
+    monkeypatch.setattr(cost_model, "measure_cost_profile", lambda *args, **kwargs: pytest.fail("measured again"))
+    assert cost_model.load_or_measure(make_tiny_model("llama"), key).forward(2) == pytest.approx(12.0)

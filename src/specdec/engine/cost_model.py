@@ -769,11 +769,12 @@ def _long_context(model, max_rows: int, base_context: int) -> int | None:
 
 def _worth_continuing(samples: CostSamples, long_context: int | None, budget_s: float) -> bool:
     """Whether a profile an earlier process left incomplete has a row count still to time that one pair of forwards
-    (bounded from what it holds) fits the budget for: after a warm-up and a T(1), T(n) at the base context; or
-    for a missing context cost, two such pairs at the long context, taken as twice as dear."""
+    (bounded from what it holds) fits the budget for: after the warm-up, the first T(1) and the T(1) of its pair (and
+    one more, for a slower start), T(n) at the base context; or for a missing context cost, two such pairs at the
+    long context, taken as twice as dear. Without such a count a start would spend its budget timing nothing new."""
     curve = samples.profile().forward.seconds
     forward_budget = budget_s * (1 - CONTEXT_SHARE)
-    if any(3 * curve[0] + curve[n - 1] <= forward_budget for n in untimed_row_counts(samples)):
+    if any(4 * curve[0] + curve[n - 1] <= forward_budget for n in untimed_row_counts(samples)):
         return True
     if long_context is None or samples.base_context >= long_context:
         return False
