@@ -1,5 +1,5 @@
 // The int8 linear on the "vnni" weight layout (see linear.h for the layout and the reduction order), AVX2:
-// 4 weight rows x up to 2 activation rows per tile. Included inside namespace avx2 (see q8_kernels.cpp).
+// 4 weight rows x up to 4 activation rows per tile, in passes of 2 weight rows. Included inside namespace avx2 (see q8_kernels.cpp).
 //
 // A unit's 16 lanes are two ymm halves (lanes 0-7 = bytes 0-31 of each 64-byte chunk, lanes 8-15 = bytes
 // 32-63), walked one after the other so that the int32 accumulators of a tile fit in 16 registers. AVX2 has no
@@ -51,41 +51,50 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
       for (int n = 0; n < NR; ++n)
         _mm_prefetch(reinterpret_cast<const char*>(pf + b0 * 32 * NR + (j * NR + n) * 64), _MM_HINT_T1);
   }
+  // weight rows in passes of NP, so that a pass's accumulators (NP x MR) and weights stay in the 16 registers
+  constexpr int NP = NR < 2 ? NR : 2;
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
-    __m256i ia[NR][MR];
+#pragma GCC unroll 2
+    for (int n0 = 0; n0 < NR; n0 += NP) {
+      __m256i ia[NP][MR];
 #pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) {
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + m * ldc + u * 16 + 8 * h));
-#pragma GCC unroll 4
-      for (int n = 0; n < NR; ++n) ia[n][m] = c;
-    }
+      for (int m = 0; m < MR; ++m) {
+        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + m * ldc + u * 16 + 8 * h));
+#pragma GCC unroll 2
+        for (int q = 0; q < NP; ++q) ia[q][m] = c;
+      }
 #pragma GCC unroll 8
-    for (int j = 0; j < NB / 2; ++j) {
-#pragma GCC unroll 4
-      for (int n = 0; n < NR; ++n) {
-        const __m256i w = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (j * NR + n) * 64 + 32 * h)), flip);
-        const __m256i w_abs = _mm256_abs_epi8(w);
+      for (int j = 0; j < NB / 2; ++j) {
+        __m256i w[NP], w_abs[NP];
+#pragma GCC unroll 2
+        for (int q = 0; q < NP; ++q) {
+          w[q] = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (j * NR + n0 + q) * 64 + 32 * h)), flip);
+          w_abs[q] = _mm256_abs_epi8(w[q]);
+        }
 #pragma GCC unroll 4
         for (int m = 0; m < MR; ++m) {
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * Kp + j * 64 + 32 * h));
-          const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));
-          ia[n][m] = _mm256_add_epi32(ia[n][m], _mm256_madd_epi16(pairs, ones));
-          // keep the accumulator in its register: left free, the compiler reassociated the additions of the
-          // unrolled steps into trees of products held in spilled registers (7x slower at 8 rows)
-          asm("" : "+x"(ia[n][m]));
+#pragma GCC unroll 2
+          for (int q = 0; q < NP; ++q) {
+            const __m256i pairs = _mm256_maddubs_epi16(w_abs[q], _mm256_sign_epi8(x, w[q]));
+            ia[q][m] = _mm256_add_epi32(ia[q][m], _mm256_madd_epi16(pairs, ones));
+            // keep the accumulator in its register: left free, the compiler reassociated the additions of the
+            // unrolled steps into trees of products held in spilled registers (7x slower at 8 rows)
+            asm("" : "+x"(ia[q][m]));
+          }
         }
       }
-    }
+#pragma GCC unroll 2
+      for (int q = 0; q < NP; ++q) {
+        const __m256 wsv = unit_scales<NB>(wscale + (n0 + q) * ldw + b0, h);
 #pragma GCC unroll 4
-    for (int n = 0; n < NR; ++n) {
-      const __m256 wsv = unit_scales<NB>(wscale + n * ldw + b0, h);
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) {
-        const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xs + m * ldc + u * 16 + 8 * h), wsv);
-        __m256& acc = lanes_half(fa[n][m], h);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[n][m]), s, acc);
+        for (int m = 0; m < MR; ++m) {
+          const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xs + m * ldc + u * 16 + 8 * h), wsv);
+          __m256& acc = lanes_half(fa[n0 + q][m], h);
+          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[q][m]), s, acc);
+        }
       }
     }
   }
@@ -143,25 +152,29 @@ __attribute__((always_inline)) inline void tile(const uint8_t* W, const int8_t* 
     }
 }
 
-constexpr int kTileRows = 2;  // activation rows per tile
+constexpr int kTileRows = 4;  // activation rows per tile
 
 // mr activation rows (1..kTileRows) of a tile; partial == nullptr: the whole of K, else the units [u0, u1).
 template <int NR>
 inline void tile_mr(int mr, const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
                     const uint16_t* wscale, const float* bias, float* y, int64_t ldy, const uint8_t* pf = nullptr,
                     int64_t u0 = 0, int64_t u1 = 0, vf* partial = nullptr) {
-  static_assert(kTileRows == 2, "the cases below");
+  static_assert(kTileRows == 4, "the cases below");
   if (partial == nullptr) {
-    if (mr == 1)
-      tile<NR, 1, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr);
-    else
-      tile<NR, 2, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr);
+    switch (mr) {
+      case 1: tile<NR, 1, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr); break;
+      case 2: tile<NR, 2, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr); break;
+      case 3: tile<NR, 3, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr); break;
+      default: tile<NR, 4, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr); break;
+    }
     return;
   }
-  if (mr == 1)
-    tile<NR, 1, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial);
-  else
-    tile<NR, 2, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial);
+  switch (mr) {
+    case 1: tile<NR, 1, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial); break;
+    case 2: tile<NR, 2, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial); break;
+    case 3: tile<NR, 3, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial); break;
+    default: tile<NR, 4, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial); break;
+  }
 }
 
 // process weight rows [n0, n1) x activation rows [m0, m1), walked as linear_block of the AVX-512 path
