@@ -390,19 +390,20 @@ def test_first_use_profiles_within_the_budget_and_caches(make_tiny_model, tmp_pa
 
 
 def test_a_profile_cut_short_by_its_budget_is_continued_at_the_next_start(make_tiny_model, tmp_path, monkeypatch, capsys):
-    """A machine where a forward costs about 0.3 s whatever its rows: the first start's 8 s time most counts; the
-    next starts time the rest within their own budgets (at the first profile's level: its T(1) times this run's
-    ratios), until nothing is left to time and a start measures nothing."""
+    """A machine where a forward costs about 0.3 s whatever its rows: the first start's 8 s time most counts, some
+    once; the next starts time the rest, and those again, within 4 s each (as ratios to T(1): the level of a slower
+    start does not matter), until nothing is left to time and a start measures nothing."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    levels = iter([1.0, 2.0, 2.0, 2.0])  # later starts on a machine twice as slow (another process on the cores)
-    runs = []
+    levels = iter([1.0] + [2.0] * 20)  # later starts on a machine twice as slow (another process on the cores)
+    budgets = []
 
     def measure(target, budget_s, known=None):
         level = next(levels)
         machine = FakeMachine(lambda rows, context: level * (0.3 + 0.005 * rows + 1e-6 * rows * context))
-        runs.append(profile_costs(machine, budget_s, clock=machine.clock, known=known))
+        run = profile_costs(machine, budget_s, clock=machine.clock, known=known)
         assert machine.now <= budget_s
-        return runs[-1]
+        budgets.append(budget_s)
+        return run
 
     monkeypatch.setattr(cost_model, "measure_cost_profile", measure)
     key = ProfileKey.current("tiny-llama", "q8")
@@ -410,14 +411,35 @@ def test_a_profile_cut_short_by_its_budget_is_continued_at_the_next_start(make_t
     profile = cost_model.load_or_measure(model, key)
     assert cost_model.untimed_row_counts(profile.samples) and 32 in profile.samples.forward.values  # largest first
     assert "[profiling the forward costs of tiny-llama" in capsys.readouterr().err
-    for _ in range(3):
+    for _ in range(16):
         profile = cost_model.load_or_measure(model, key)
     assert "[continuing the cost profile of tiny-llama" in capsys.readouterr().err
-    assert len(runs) == 3 and not cost_model.untimed_row_counts(profile.samples)  # the third start measured nothing
-    assert set(profile.samples.context.values) == set(cost_model.CONTEXT_PROFILE_ROWS)
-    for n in range(1, 33):
-        assert profile.forward(n) == pytest.approx(0.3 + 0.005 * n + 1e-6 * n * 128, rel=1e-9), n  # the first level
-    assert profile.context(32, 1128) == pytest.approx(32e-3, rel=1e-6)
+    assert budgets[0] == 8.0 and set(budgets[1:]) == {4.0} and len(budgets) < 16  # then no start measured anything
+    assert not cost_model.untimed_row_counts(profile.samples)
+    assert min(profile.samples.forward.counts.values()) >= cost_model.MIN_PAIRS
+    for n in range(1, 33):  # the ratios of every start, at the first start's T(1)
+        assert profile.forward(n) == pytest.approx(0.3 + 0.005 * n + 1e-6 * n * 128, rel=1e-9), n
+    assert profile.context(8, 1128) == pytest.approx(8e-3, rel=1e-6)  # timed by the first start
+
+
+def test_starts_that_time_nothing_new_stop_continuing(make_tiny_model, tmp_path, monkeypatch):
+    """The profile says a pair fits a continuing start's budget, the machine is too slow for it now: after
+    MAX_IDLE_CONTINUATIONS such starts the profile is used as it is."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    key = ProfileKey.current("tiny-llama", "q8")
+    cost_model.save_profile(key, CostSamples(0.1, RowSamples({1: 1.0}, {1: 5})).profile())  # 2 missing: 0.1 s each
+    starts = []
+
+    def measure(target, budget_s, known=None):
+        machine = FakeMachine(lambda rows, context: 3.0)  # 3 s forwards today
+        starts.append(profile_costs(machine, budget_s, clock=machine.clock, known=known))
+        return starts[-1]
+
+    monkeypatch.setattr(cost_model, "measure_cost_profile", measure)
+    for _ in range(5):
+        profile = cost_model.load_or_measure(make_tiny_model("llama"), key)
+    assert len(starts) == cost_model.MAX_IDLE_CONTINUATIONS and starts[-1].forward_timed == ()
+    assert profile.samples.forward.values == {1: 1.0}
 
 
 def test_a_profile_nothing_more_fits_in_is_not_continued(make_tiny_model, tmp_path, monkeypatch):

@@ -229,6 +229,7 @@ class CostSamples:
     context: RowSamples | None = None
     base_context: int = 128
     one_row_count: int = 1
+    idle_continuations: int = 0  # later starts in a row that continued the profile and timed nothing new
 
     def __post_init__(self) -> None:
         if not self.one_row_s > 0 or self.forward.values.get(1) != 1.0:
@@ -244,14 +245,16 @@ class CostSamples:
     def to_json(self) -> dict:
         return {"base_context": self.base_context, "one_row_s": [self.one_row_s, self.one_row_count],
                 "forward_ratios": self.forward.to_json(),
-                "context_ratios": None if self.context is None else self.context.to_json()}
+                "context_ratios": None if self.context is None else self.context.to_json(),
+                "idle_continuations": self.idle_continuations}
 
     @classmethod
     def from_json(cls, payload: dict) -> CostSamples:
         context = payload.get("context_ratios")
         one_row_s, count = payload["one_row_s"]
         return cls(float(one_row_s), RowSamples.from_json(payload["forward_ratios"]),
-                   None if context is None else RowSamples.from_json(context), int(payload["base_context"]), int(count))
+                   None if context is None else RowSamples.from_json(context), int(payload["base_context"]), int(count),
+                   int(payload.get("idle_continuations", 0)))
 
 
 @dataclass(frozen=True)
@@ -561,6 +564,9 @@ PROFILE_ROW_COUNTS = (1, 2, 4, 8, 16, 32, 3, 6, 12, 24)
 CONTEXT_PROFILE_ROWS = (1, 2, 4, 8, 16, 32, 12, 24)  # the same at the long context (the rest interpolated)
 PAST_KNEE_RATIO = 3.0  # once T(m) > 3 T(1), no count above m is timed: the policy never verifies that many rows
 CONTEXT_SHARE = 0.35  # of the budget, for the context costs
+MIN_PAIRS = 2  # a count timed fewer times is timed again by a later start (one pair on a busy machine can be far off)
+CONTINUE_BUDGET_SHARE = 0.5  # a later start continuing an incomplete profile spends at most this share of the budget
+MAX_IDLE_CONTINUATIONS = 2  # after this many continuing starts that timed nothing new, a profile is left as it is
 
 
 @dataclass(frozen=True)
@@ -574,16 +580,25 @@ class ProfileRun:
     context_timed: tuple[int, ...]  # row counts whose context costs this run measured
 
     def summary(self) -> str:
-        line = f"T(n) at n = {', '.join(map(str, self.forward_timed)) or 'none'} ({self.rounds} round{'s' * (self.rounds != 1)})"
+        rounds = f"{self.rounds} round{'s' * (self.rounds != 1)}"
+        line = f"T(n) at n = {', '.join(map(str, self.forward_timed))} ({rounds})" if self.forward_timed else \
+            "nothing timed after the warm-up"
         if self.context_timed:
             line += f", context costs at n = {', '.join(map(str, self.context_timed))}"
         return line
 
 
 def untimed_row_counts(samples: CostSamples, row_counts: SequenceOf[int] = PROFILE_ROW_COUNTS) -> list[int]:
-    """The row counts a profile has not timed yet and still wants: not past its knee (PAST_KNEE_RATIO)."""
-    ratios = samples.forward.values
-    return [n for n in row_counts if n not in ratios and not _past_knee(n, ratios)]
+    """The row counts a profile still wants timed: not timed yet, or fewer than MIN_PAIRS times, and not past its
+    knee (PAST_KNEE_RATIO)."""
+    ratios, counts = samples.forward.values, samples.forward.counts
+    return [n for n in row_counts if counts.get(n, 0) < MIN_PAIRS and not _past_knee(n, ratios)]
+
+
+def _untimed_context_counts(samples: CostSamples, row_counts: SequenceOf[int] = CONTEXT_PROFILE_ROWS) -> list[int]:
+    """The same for the context costs: of the counts with T(n) timed, those with fewer than MIN_PAIRS pairs."""
+    counts = {} if samples.context is None else samples.context.counts
+    return [n for n in row_counts if n in samples.forward.values and counts.get(n, 0) < MIN_PAIRS]
 
 
 def _past_knee(n: int, values: dict[int, float]) -> bool:
@@ -611,8 +626,8 @@ def profile_costs(time_forward: Callable[[int, int], float], budget_s: float = P
     same at long_context tokens for the counts timed (`context_repeats` rounds): the context cost per token is
     (T_long(n) − T(n)) / (long_context − base_context) (none when nothing fitted, or long_context is None).
 
-    known: a profile measured before (by an earlier process, whose budget ran out): only the counts it lacks are
-    timed, and their values join it at its level (this run's ratios to T(1) times its T(1)).
+    known: a profile measured before (by an earlier process, whose budget ran out): only the counts it lacks or
+    timed fewer than MIN_PAIRS times are timed; the new ratios to T(1) join its own (means weighted by the pairs).
     """
     start = clock()
     if known is not None and known.base_context != base_context:
@@ -624,9 +639,11 @@ def profile_costs(time_forward: Callable[[int, int], float], budget_s: float = P
     if long_context is not None and long_context > base_context:
         context, context_timed = _profile_context(time_forward, one_row_s, forward, context, base_context, long_context,
                                                   context_row_counts, context_repeats, start, budget_s, clock)
+    idle = 0
     if known is not None:  # T(1) timed now only set this run's level; the profile's is the long-run one
         one_row_s, one_row_count = known.one_row_s, known.one_row_count
-    samples = CostSamples(one_row_s, forward, context, base_context, one_row_count)
+        idle = 0 if context_timed or any(n != 1 for n in forward_timed) else known.idle_continuations + 1
+    samples = CostSamples(one_row_s, forward, context, base_context, one_row_count, idle)
     return ProfileRun(samples, clock() - start, rounds, forward_timed, context_timed)
 
 
@@ -635,9 +652,10 @@ def _profile_forward(time_forward, base_context: int, row_counts: SequenceOf[int
     """profile_costs' first part: (T(1) timed now, the pairs behind it, the ratios T(n) / T(1) known before or timed
     now, rounds, the counts timed now)."""
     warm_up = time_forward(1, base_context)  # also T(1)'s first upper bound (a first forward may cost more)
-    # the ratios known before this run; in a continuation T(1) is timed again, for this run's level
+    # the ratios known before this run, and the counts to time (in a continuation, T(1) is timed in each pair, for
+    # this run's level; alone only if nothing else is left, for the context costs)
     before, counts = ({1: 1.0}, list(row_counts)) if known is None else \
-        (known.forward.values, [1, *untimed_row_counts(known, row_counts)])
+        (known.forward.values, [n for n in untimed_row_counts(known, row_counts) if n != 1] or [1])
 
     def bound(n: int, timed: dict[int, float]) -> float:
         one_row_s = timed.get(1, warm_up)
@@ -648,12 +666,15 @@ def _profile_forward(time_forward, base_context: int, row_counts: SequenceOf[int
         return values[largest] * n / largest
 
     timed, rounds = _timed_rounds(time_forward, base_context, counts, repeats, bound, start, budget_s, clock)
+    if not timed.values and known is not None:  # no count fitted: this run's level from T(1) alone, if it fits
+        timed, _ = _timed_rounds(time_forward, base_context, [1], 3, bound, start, budget_s, clock)
+    timed_counts = tuple(sorted(timed.values))
     if not timed.values:  # the warm-up alone took the budget: it is all there is
         timed = RowSamples({1: warm_up}, {1: 1})
     one_row_s = timed.values[1]
     ratios = RowSamples({n: seconds / one_row_s for n, seconds in timed.values.items()}, dict(timed.counts))
     forward = ratios if known is None else _merged(known.forward, ratios)
-    return one_row_s, timed.counts[1], forward, rounds, tuple(sorted(timed.values))
+    return one_row_s, timed.counts[1], forward, rounds, timed_counts
 
 
 def _profile_context(time_forward, one_row_s: float, forward: RowSamples, context: RowSamples | None,
@@ -661,7 +682,7 @@ def _profile_context(time_forward, one_row_s: float, forward: RowSamples, contex
                      budget_s: float, clock) -> tuple[RowSamples | None, tuple[int, ...]]:
     """profile_costs' second part: the context cost samples (those known before, plus the row counts of T(n) they
     lack) and the counts timed now. one_row_s: T(1) at the base context, timed now; forward: T(n) / T(1)."""
-    wanted = [n for n in row_counts if n in forward.values and (context is None or n not in context.values)]
+    wanted = _untimed_context_counts(CostSamples(one_row_s, forward, context), row_counts)
     at_base = [ratio * one_row_s for ratio in forward.curve()]  # T(n) at the base context, at this run's level
 
     def bound(n: int, timed: dict[int, float]) -> float:
@@ -682,11 +703,12 @@ def _profile_context(time_forward, one_row_s: float, forward: RowSamples, contex
 
 
 def _merged(known: RowSamples | None, timed: RowSamples) -> RowSamples:
-    """The known samples plus the row counts they lack from timed."""
+    """The known samples and the timed ones: by row count, their mean weighted by the measurements behind each."""
     values, counts = (dict(known.values), dict(known.counts)) if known is not None else ({}, {})
     for n, value in timed.values.items():
-        if n not in values:
-            values[n], counts[n] = value, timed.counts[n]
+        before, weight = values.get(n, 0.0), counts.get(n, 0)
+        counts[n] = weight + timed.counts[n]
+        values[n] = (before * weight + value * timed.counts[n]) / counts[n]
     return RowSamples(values, counts, known.max_rows if known is not None else timed.max_rows)
 
 
@@ -771,16 +793,18 @@ def _worth_continuing(samples: CostSamples, long_context: int | None, budget_s: 
     """Whether a profile an earlier process left incomplete has a row count still to time that one pair of forwards
     (bounded from what it holds) fits the budget for: after the warm-up, the first T(1) and the T(1) of its pair (and
     one more, for a slower start), T(n) at the base context; or for a missing context cost, two such pairs at the
-    long context, taken as twice as dear. Without such a count a start would spend its budget timing nothing new."""
+    long context, taken as twice as dear. Without such a count a start would spend its budget timing nothing new;
+    and after MAX_IDLE_CONTINUATIONS starts that did anyway (the machine slower than the profile says), none does."""
+    if samples.idle_continuations >= MAX_IDLE_CONTINUATIONS:
+        return False
     curve = samples.profile().forward.seconds
     forward_budget = budget_s * (1 - CONTEXT_SHARE)
     if any(4 * curve[0] + curve[n - 1] <= forward_budget for n in untimed_row_counts(samples)):
         return True
     if long_context is None or samples.base_context >= long_context:
         return False
-    missing = [n for n in CONTEXT_PROFILE_ROWS
-               if n in samples.forward.values and (samples.context is None or n not in samples.context.values)]
-    return any(curve[0] + 4 * (curve[0] + curve[n - 1]) <= budget_s * CONTEXT_SHARE for n in missing)
+    return any(curve[0] + 4 * (curve[0] + curve[n - 1]) <= budget_s * CONTEXT_SHARE
+               for n in _untimed_context_counts(samples))
 
 
 def prefilled_row_batches(model, cache, slot: int, context: int, row_counts: SequenceOf[int], max_rows: int) -> dict:
@@ -930,10 +954,13 @@ def load_profile(key: ProfileKey) -> CostProfile | None:
 def load_or_measure(model, key: ProfileKey, budget_s: float = PROFILE_BUDGET_S) -> CostProfile:
     """The cached profile for key, else one measured now within budget_s (`measure_cost_profile`; one line on stderr
     says what and how long) and cached; an unwritable cache keeps the measurement for this process only. A cached
-    profile whose budget ran out before some row counts (or context costs) it wants is continued, within the same
-    budget, when one of them can fit (so each start is bounded, and the profile completes over a few starts)."""
+    profile whose budget ran out before some row counts (or context costs) it wants — or left them with fewer than
+    MIN_PAIRS pairs — is continued within CONTINUE_BUDGET_SHARE of the budget, when one of them can fit (so each
+    start is bounded, and the profile completes over a few starts)."""
     cached = load_profile(key)
     known = None if cached is None else cached.samples
+    if known is not None:
+        budget_s *= CONTINUE_BUDGET_SHARE
     if cached is not None and (known is None or not _worth_continuing(known, _long_context(model, MAX_PROFILE_ROWS,
                                                                                           known.base_context), budget_s)):
         return cached
