@@ -63,6 +63,7 @@ def _stream_printer(llm, show_drafts: bool):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.config import SamplingParams
+    from specdec.kernels.report import announce_kernels
     from specdec.llm import LLM
     from specdec.runtime import configure_threads
 
@@ -74,6 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.max_model_len, max_num_seqs=1, device=args.device, draft_policy=args.draft_policy)
     print(f"[loaded {args.model} in {time.perf_counter() - started:.1f} s]", file=sys.stderr)
+    announce_kernels(llm.model.device, args.weight_format)
     plain = None
     if args.compare_plain and llm.spec_config is not None:
         llm.generate(args.prompt, SamplingParams(max_tokens=4), chat=args.chat, speculative=False)  # warm-up
@@ -148,6 +150,7 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from specdec.kernels.report import announce_kernels
     from specdec.llm import LLM
     from specdec.runtime import configure_threads
     from specdec.server.app import ServerConfig, create_app
@@ -159,6 +162,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device, **extra)
     app = create_app(llm, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                                         max_queue=args.max_queue))
+    announce_kernels(llm.model.device, args.weight_format)
     print(f"[serving {app.state.server.model_name} on http://{args.host}:{args.port}]", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

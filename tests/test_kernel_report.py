@@ -1,0 +1,88 @@
+"""Never silently slow: the kernel path a process runs, the warning on the scalar path and the torch fallback (why,
+and what it costs), and the line `specdec generate` prints."""
+import pytest
+import torch
+
+from specdec.cli import main
+from specdec.kernels import ops
+from specdec.kernels.report import announce_kernels, kernel_report
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretends the kernels run `isa` on a CPU that supports `supported` (kernel paths as the extension names them)."""
+    monkeypatch.delenv("SPECDEC_KERNEL_ISA", raising=False)
+    monkeypatch.delenv("SPECDEC_DISABLE_KERNELS", raising=False)
+
+    def pretend(isa: str, supported: tuple[str, ...]) -> None:
+        monkeypatch.setattr(ops, "kernel_isa", lambda: isa)
+        monkeypatch.setattr(ops, "supported_isas", lambda: supported)
+        monkeypatch.setattr(ops, "kernel_build_id", lambda: "torch" if isa == "torch" else f"q8-0123456789abcdef-{isa}")
+
+    return pretend
+
+
+def test_a_simd_path_is_named_without_a_warning(cpu):
+    cpu("avx512", ("scalar", "avx2", "avx512"))
+    report = kernel_report()
+    threads = torch.get_num_threads()
+    assert report.line() == f"[kernels: avx512 (q8 vnni layout), {threads} thread{'s' if threads > 1 else ''}]"
+    assert report.warning is None
+    assert report.to_dict() == {"kernel_isa": "avx512", "supported_kernel_isas": ["scalar", "avx2", "avx512"],
+                                "kernel_weights": "q8 vnni layout", "kernel_threads": threads,
+                                "kernel_build": "q8-0123456789abcdef-avx512", "kernel_warning": None}
+    assert kernel_report(weight_format="fp32").line().startswith("[kernels: avx512 (fp32), ")
+
+
+def test_the_scalar_path_on_a_cpu_without_avx2_says_why_and_what_it_costs(cpu):
+    cpu("scalar", ("scalar",))
+    warning = kernel_report().warning
+    assert warning.startswith("specdec runs the scalar kernels because this CPU lacks AVX2 + FMA + F16C: ")
+    assert "about 8x slower decoding than the avx2 path" in warning
+
+
+def test_a_forced_scalar_path_says_it_was_forced(cpu, monkeypatch):
+    cpu("scalar", ("scalar", "avx2"))
+    monkeypatch.setenv("SPECDEC_KERNEL_ISA", "scalar")
+    assert "because SPECDEC_KERNEL_ISA=scalar forces the portable path: about 8x slower" in kernel_report().warning
+
+
+def test_the_torch_fallback_says_why_and_that_it_is_not_row_invariant(cpu, monkeypatch):
+    cpu("torch", ())
+    monkeypatch.setenv("SPECDEC_DISABLE_KERNELS", "1")
+    report = kernel_report()
+    assert report.line().startswith("[kernels: torch (q8 vnni layout), ")
+    assert report.warning.startswith("specdec runs the torch fallback because SPECDEC_DISABLE_KERNELS=1 turns the "
+                                     "compiled kernels off: ")
+    assert "not row invariant: speculative greedy output may differ from plain decoding" in report.warning
+    monkeypatch.delenv("SPECDEC_DISABLE_KERNELS")
+    monkeypatch.setattr(ops, "_build_failures", ["CalledProcessError: ninja failed"])
+    assert "because the compiled kernels failed to build or load (CalledProcessError: ninja failed)" in (
+        kernel_report().warning)
+
+
+def test_cuda_tensors_run_the_torch_fallback(cpu):
+    cpu("avx2", ("scalar", "avx2"))
+    report = kernel_report("cuda")
+    assert (report.isa, report.build) == ("torch", "torch")
+    assert "because the model is on CUDA, where specdec has no kernels of its own" in report.warning
+
+
+def test_announce_prints_the_line_and_the_warning(cpu, capsys):
+    cpu("scalar", ("scalar",))
+    report = announce_kernels()
+    assert capsys.readouterr().err == f"{report.line()}\n[warning: {report.warning}]\n"
+
+
+def test_generate_prints_the_kernel_path(tiny_model_dir, capsys):
+    assert main(["generate", "--model", str(tiny_model_dir), "--max-tokens", "2", "--threads", "2", "abc"]) == 0
+    err = capsys.readouterr().err
+    assert f"[kernels: {ops.kernel_isa()} (q8 {ops.default_q8_layout()} layout), 2 threads]\n" in err
+
+
+def test_generate_warns_on_the_scalar_path(tiny_model_dir, cpu, capsys):
+    cpu("scalar", ("scalar",))
+    assert main(["generate", "--model", str(tiny_model_dir), "--max-tokens", "2", "--threads", "2", "abc"]) == 0
+    err = capsys.readouterr().err
+    assert "[kernels: scalar (q8 vnni layout), 2 threads]\n[warning: specdec runs the scalar kernels because this " \
+           "CPU lacks AVX2 + FMA + F16C: about 8x slower" in err
