@@ -5,6 +5,7 @@ import pytest
 
 from specdec.bench.methods import SpecdecRunner
 from specdec.cli import main
+from specdec.kernels import ops
 
 SUMMARY_KEYS = {"tokens_per_s": float, "speedup": (float, type(None)), "mean_accepted_length": (float, type(None)),
                 "acceptance_rate": (float, type(None)), "identical_rate": (float, type(None)), "n_prompts": int,
@@ -29,7 +30,9 @@ def _bench(model_dir, datasets, out, *extra):
 def test_bench_end_to_end_writes_documented_outputs(tiny_model_dir, spec_bench_file, humaneval_file, tmp_path, capsys):
     out = tmp_path / "out"
     assert _bench(tiny_model_dir, [spec_bench_file, humaneval_file], out, "--repeats", "2") == 0
-    assert "| ngram |" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "| ngram |" in captured.out
+    err = captured.err
     results = json.loads((out / "results.json").read_text())
     assert results["lossless"] is True and results["mismatches"] == []
     assert results["categories"] == ["writing", "qa", "humaneval", "overall"]
@@ -52,6 +55,8 @@ def test_bench_end_to_end_writes_documented_outputs(tiny_model_dir, spec_bench_f
     meta = results["metadata"]
     assert meta["model"] == str(tiny_model_dir) and meta["repeats"] == 2 and meta["torch_version"]
     assert isinstance(meta["threads"], int) and isinstance(meta["command_line"], list)
+    assert meta["kernel_isa"] == ops.kernel_isa() and meta["supported_kernel_isas"] == list(ops.supported_isas())
+    assert f"[kernels: {ops.kernel_isa()} " in err
     assert "## Speed-up over the reference" in (out / "results.md").read_text()
     for name in PLOTS:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -192,7 +192,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"# specdec bench: {meta['model']}",
         f"{n_prompts} prompts from {', '.join(Path(d).name for d in meta['datasets'])}; greedy, batch 1, "
         f"max {meta['max_new_tokens']} new tokens, {meta['repeats']} round(s); {meta['threads']} threads, "
-        f"weights {meta['weight_format']}, torch {meta['torch_version']}, device {meta['device']}.",
+        f"weights {meta['weight_format']}, torch {meta['torch_version']}, device {meta['device']}"
+        f"{_kernels_text(meta)}.",
         "## Speed-up over the reference\n\nRatio of median tok/s (ours over `none`, peers over their own plain row).\n\n"
         + speedup_table(results),
         "## Tokens per second\n\nMedian over prompts of new tokens / wall time (prefill included).\n\n"
@@ -209,6 +210,14 @@ def markdown(results: dict[str, Any]) -> str:
         "## Lossless check\n\n" + _mismatch_text(results),
     ]
     return "\n\n".join(sections) + "\n"
+
+
+def _kernels_text(meta: dict[str, Any]) -> str:
+    """", kernel path avx512" (and the warning of a slow path); empty for results written before it was recorded."""
+    if "kernel_isa" not in meta:
+        return ""
+    warning = f" (**{meta['kernel_warning']}**)" if meta.get("kernel_warning") else ""
+    return f", kernel path {meta['kernel_isa']}{warning}"
 
 
 def _mismatch_text(results: dict[str, Any]) -> str:

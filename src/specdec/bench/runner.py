@@ -110,6 +110,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 def run_bench(options: BenchOptions, argv: list[str] | None = None) -> int:
     """Runs the benchmark, writes the outputs; returns 0, or EXIT_MISMATCH when one of our methods was not lossless."""
     from specdec.bench import report
+    from specdec.kernels.report import announce_kernels
     from specdec.runtime import configure_threads, default_device, load_model
 
     threads = configure_threads(options.threads)
@@ -120,10 +121,11 @@ def run_bench(options: BenchOptions, argv: list[str] | None = None) -> int:
     device = options.device or str(default_device())
     loaded = load_model(options.model, options.weight_format, device)
     load_s = time.perf_counter() - started
+    kernels = announce_kernels(device, options.weight_format)
     peer_runners = _build_peer_runners(options, peers, specs, loaded[1], threads)
     records, runner_descriptions = _run_rounds(options, questions, specs, loaded, peer_runners)
     mismatches = check_lossless(records)
-    metadata = _metadata(options, specs, threads, load_s, argv, device)
+    metadata = {**_metadata(options, specs, threads, load_s, argv, device), **kernels.to_dict()}
     results = report.build_results(metadata, runner_descriptions, records, mismatches)
     written = report.write_outputs(results, options.out, plots=options.plots)
     print(report.speedup_table(results), file=sys.stdout)

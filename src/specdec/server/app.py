@@ -22,6 +22,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.engine.engine import StepOutput
+from specdec.kernels.report import kernel_report
 from specdec.server.engine_loop import EngineLoop, RequestFailed, RequestHandle
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse_request,
@@ -55,6 +56,7 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.loop = EngineLoop(self.engine, self.metrics, config.max_queue)
+        self.kernels = kernel_report(getattr(llm.model, "device", "cpu"), getattr(llm.model, "weight_format", "q8"))
 
     # ---- checks -----------------------------------------------------------------------------------------
     def check_api_key(self, request: Request) -> None:
@@ -168,7 +170,7 @@ class ServerState:
         yield "data: [DONE]\n\n"
 
     def spec_info(self) -> dict[str, Any]:
-        """What the playground needs to know about speculation on this server."""
+        """What the playground needs to know about speculation on this server, and which kernel path runs it."""
         spec = self.spec_config
         return {
             "model": self.model_name,
@@ -177,6 +179,7 @@ class ServerState:
             "method": spec.method if spec else None,
             "num_speculative_tokens": spec.num_speculative_tokens if spec else None,
             "per_request_k": False,  # k is the server's; requests choose only speculative true/false
+            **self.kernels.to_dict(),  # kernel_isa, supported_kernel_isas, ..., kernel_warning (None on a SIMD path)
         }
 
     def status(self) -> dict[str, Any]:
