@@ -24,7 +24,9 @@ included: a draft's rows slow all of them.
 
 The cost model's levels follow what the engine measures (`observe_step`, `CostCalibration`): the target's
 seconds per forward, the drafter's seconds per drafted token and per catch-up token, so an expensive drafter (a
-draft model on a slow machine) is switched off by its measured cost, not by an estimate.
+draft model on a slow machine) is switched off by its measured cost, not by an estimate. With a measured profile, its
+shape T(n) is learned from the steps too (`ProfileLearner`: the budgeted first profile bounds the row counts it did
+not time, and the steps replace the bounds by measurements).
 """
 from __future__ import annotations
 
