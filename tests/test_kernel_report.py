@@ -86,3 +86,12 @@ def test_generate_warns_on_the_scalar_path(tiny_model_dir, cpu, capsys):
     err = capsys.readouterr().err
     assert "[kernels: scalar (q8 vnni layout), 2 threads]\n[warning: specdec runs the scalar kernels because this " \
            "CPU lacks AVX2 + FMA + F16C: about 6x slower" in err
+
+
+def test_serve_prints_the_kernel_path_before_serving(tiny_model_dir, monkeypatch, capsys):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)  # no server: only what it prints before
+    assert main(["serve", str(tiny_model_dir), "--threads", "2", "--max-model-len", "64"]) == 0
+    err = capsys.readouterr().err
+    assert f"[kernels: {ops.kernel_isa()} (q8 {ops.default_q8_layout()} layout), 2 threads]\n[serving " in err
