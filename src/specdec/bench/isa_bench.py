@@ -4,8 +4,8 @@
 
 For each model and each kernel path this CPU runs (`--isas`, default all but scalar): plain greedy decode tok/s
 (128 tokens), prefill tok/s of a ~1000-token prompt, and the cost of one forward of 1 and of 8 new tokens after
-256 cached tokens (T(1), T(8), their ratio). The paths alternate within each of `--rounds` rounds and the table
-gives medians, so a machine's slow minutes fall on every path alike. With `--llama-bench`, llama.cpp's
+256 cached tokens (T(1), T(8), their ratio). The paths alternate within each of `--rounds` rounds (each in turn
+first) and the table gives medians, so a machine's slow minutes fall on every path alike. With `--llama-bench`, llama.cpp's
 `llama-bench -t THREADS -p 0 -n 128` (decode) and `-p 1024 -n 0` (prefill) on the model's GGUF follow each round.
 The weights are packed once in the layout of the first path (the "amx" layout only when it is "amx").
 """
@@ -76,8 +76,9 @@ def bench_model(name: str, isas: list[str], args: argparse.Namespace, threads: i
         llm = LLM(model=name, max_model_len=2048, max_num_seqs=1)
     rounds: dict[str, list[dict[str, float]]] = {isa: [] for isa in isas}
     peer: list[dict[str, float]] = []
-    for _ in range(args.rounds):
-        for isa in isas:
+    for round_index in range(args.rounds):
+        shift = round_index % len(isas)  # each path in turn first in a round
+        for isa in isas[shift:] + isas[:shift]:
             with ops.forced_isa(isa):
                 rounds[isa].append(measure_path(llm, args.max_tokens))
         if args.llama_bench:
