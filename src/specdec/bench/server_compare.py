@@ -30,8 +30,15 @@ class Reply:
     wall_s: float
 
 
-def chat(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> Reply:
-    body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+def served_model(client: httpx.Client, url: str) -> str:
+    """The id of the model a server serves (GET /v1/models)."""
+    response = client.get(f"{url.rstrip('/')}/v1/models")
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+def chat(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> Reply:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0.0, "stream": False}
     start = time.perf_counter()
     response = client.post(f"{url.rstrip('/')}/v1/chat/completions", json=body)
@@ -59,11 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [(question.category, question.turns[0]) for question in questions]
     replies: dict[str, list[Reply]] = {label: [] for label in servers}
     with httpx.Client(timeout=args.timeout) as client:
+        models = {label: served_model(client, url) for label, url in servers.items()}
         for label, url in servers.items():  # warm-up: one short request each
-            chat(client, url, "Hello", 4)
+            chat(client, url, models[label], "Hello", 4)
         for _category, prompt in prompts:
             for label, url in servers.items():
-                replies[label].append(chat(client, url, prompt, args.max_tokens))
+                replies[label].append(chat(client, url, models[label], prompt, args.max_tokens))
     summary = {}
     print(f"{len(prompts)} prompts, {args.max_tokens} new tokens at most, greedy, requests interleaved")
     print("| server | completion tokens | wall s | end-to-end tok/s |\n|---|---|---|---|")
