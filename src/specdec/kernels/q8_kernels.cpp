@@ -11,7 +11,7 @@
 //   csrc/simd_avx2.h       ... and on AVX2 + FMA + F16C (two ymm)
 //   csrc/vector_kernels.h  attention and the row-wise kernels, written once over that op set
 //   csrc/linear_avx512.h   the int8 linear, vnni layout, AVX-512 VNNI
-//   csrc/linear_avx2.h     the int8 linear, vnni layout, AVX2
+//   csrc/linear_avx2.h     the int8 linear, vnni layout, AVX2 (and again with AVX-VNNI where the CPU has it)
 //   csrc/linear_amx.h      the int8 linear, amx layout (AMX tiles, and AVX-512 VNNI for few rows)
 //   csrc/linear.h, attention.h, rowwise.h   the entry points
 // This file includes them in order (the vector paths inside their own namespace and target) and binds them.
@@ -53,6 +53,16 @@ namespace avx2 {
 #include "csrc/vector_kernels.h"
 #include "csrc/linear_avx2.h"
 }  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+namespace avx2_vnni {
+#define SPECDEC_AVX_VNNI 1
+#include "csrc/simd_avx2.h"
+#include "csrc/linear_avx2.h"
+#undef SPECDEC_AVX_VNNI
+}  // namespace avx2_vnni
 #pragma GCC pop_options
 
 #pragma GCC push_options

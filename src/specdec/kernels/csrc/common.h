@@ -22,6 +22,16 @@ inline bool cpu_has_avx2() {
 #endif
 }
 
+// AVX-VNNI: the 256-bit vpdpbusd, VEX-encoded (the avx2 path's int8 linear uses it where present)
+inline bool cpu_has_avx_vnni() {
+#ifdef SPECDEC_X86
+  static const bool ok = cpu_has_avx2() && __builtin_cpu_supports("avxvnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
 inline bool cpu_has_avx512() {
 #ifdef SPECDEC_X86
   static const bool ok = cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

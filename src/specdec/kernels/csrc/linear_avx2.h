@@ -8,7 +8,9 @@
 // dot sum(q * x), where vpdpbusd on the unsigned bytes q + 128 gives sum(q * x) + 128 * sum(x); quantize_rows
 // (signed_dot) therefore starts each lane's accumulator at the AVX-512 path's value plus 128 times the sum of the
 // lane's activation bytes, and every lane holds the very same int32 as on the other paths before the same
-// fp32 epilogue.
+// fp32 epilogue. Where the CPU has AVX-VNNI (256-bit vpdpbusd, VEX-encoded: Alder Lake and later, Sapphire
+// Rapids), this file is compiled a second time with SPECDEC_AVX_VNNI (namespace avx2_vnni), which takes the unsigned
+// weight bytes and the AVX-512 path's accumulator start as they are.
 
 // lane half h of v: lanes 8h .. 8h + 7
 inline __m256& lanes_half(vf& v, int h) { return h == 0 ? v.lo : v.hi; }
@@ -78,8 +80,13 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * Kp + j * 64 + 32 * h));
 #pragma GCC unroll 2
           for (int q = 0; q < NP; ++q) {
+#ifdef SPECDEC_AVX_VNNI
+            // the unsigned weight bytes q + 128 as the AVX-512 path uses them (w[q] ^ 0x80 undone)
+            ia[q][m] = _mm256_dpbusd_avx_epi32(ia[q][m], _mm256_xor_si256(w[q], flip), x);
+#else
             const __m256i pairs = _mm256_maddubs_epi16(w_abs[q], _mm256_sign_epi8(x, w[q]));
             ia[q][m] = _mm256_add_epi32(ia[q][m], _mm256_madd_epi16(pairs, ones));
+#endif
             // keep the accumulator in its register: left free, the compiler reassociated the additions of the
             // unrolled steps into trees of products held in spilled registers (7x slower at 8 rows)
             asm("" : "+x"(ia[q][m]));
