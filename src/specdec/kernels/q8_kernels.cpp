@@ -10,7 +10,8 @@
 //   csrc/simd_avx512.h     the op set of 16 fp32 lanes on AVX-512 ...
 //   csrc/simd_avx2.h       ... and on AVX2 + FMA + F16C (two ymm)
 //   csrc/vector_kernels.h  attention and the row-wise kernels, written once over that op set
-//   csrc/linear_avx512.h   the int8 linear, vnni layout, AVX-512 VNNI
+//   csrc/linear_avx512.h   the int8 linear, vnni layout, AVX-512 VNNI: one unit of K, a tile's sums
+//   csrc/linear_walk.h     ... the walk over tiles, row blocks and K slices, the same for every vector path
 //   csrc/linear_avx2.h     the int8 linear, vnni layout, AVX2 (and again with AVX-VNNI where the CPU has it)
 //   csrc/linear_amx.h      the int8 linear, amx layout (AMX tiles, and AVX-512 VNNI for few rows)
 //   csrc/linear.h, attention.h, rowwise.h   the entry points
@@ -52,6 +53,7 @@ namespace avx2 {
 #include "csrc/simd_avx2.h"
 #include "csrc/vector_kernels.h"
 #include "csrc/linear_avx2.h"
+#include "csrc/linear_walk.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -61,6 +63,7 @@ namespace avx2_vnni {
 #define SPECDEC_AVX_VNNI 1
 #include "csrc/simd_avx2.h"
 #include "csrc/linear_avx2.h"
+#include "csrc/linear_walk.h"
 #undef SPECDEC_AVX_VNNI
 }  // namespace avx2_vnni
 #pragma GCC pop_options
@@ -71,6 +74,7 @@ namespace avx512 {
 #include "csrc/simd_avx512.h"
 #include "csrc/vector_kernels.h"
 #include "csrc/linear_avx512.h"
+#include "csrc/linear_walk.h"
 }  // namespace avx512
 #pragma GCC pop_options
 

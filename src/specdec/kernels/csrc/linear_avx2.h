@@ -107,48 +107,10 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
   }
 }
 
-// NR weight rows x MR activation rows over the units [u0, u1) of K, as tile() of the AVX-512 path: the
-// accumulators start at zero (u0 == 0) or from partial, and the tile ends with y = hsum16(fa) (+ bias) when
-// u1 == L.U, else stores fa back into partial.
-template <int NR, int MR, bool Sliced>
-__attribute__((always_inline)) inline void tile(const uint8_t* W, const int8_t* X, const int32_t* corr,
-                                                const float* xs, const Layout& L, const uint16_t* wscale,
-                                                const float* bias, float* y, int64_t ldy, const uint8_t* pf,
-                                                int64_t u0, int64_t u1, vf* partial) {
-  if constexpr (!Sliced) {
-    u0 = 0;
-    u1 = L.U;
-  }
-  const int64_t Kp = L.Kp;
-  const int64_t ldc = L.U * 16;
-  const int64_t ldw = Kp / 32;
-  if (u0 == 0)
-    for (int64_t o = 0; o < NR * ldw * 2; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wscale + NR * ldw) + o, _MM_HINT_T0);
-  vf fa[NR][MR];
-#pragma GCC unroll 4
-  for (int n = 0; n < NR; ++n)
-#pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) fa[n][m] = (!Sliced || u0 == 0) ? zero() : partial[n * MR + m];
-
-  for (int64_t u = u0; u < std::min(u1, L.G); ++u)
-    unit<NR, MR, 16>(W, X, corr, xs, Kp, ldc, ldw, u, u * 16, wscale, pf, fa);
-  for (int64_t t = 0; t < L.T; ++t) {
-    const int64_t u = L.G + t;
-    if (u < u0 || u >= u1) continue;
-    switch (L.tail_nb[t]) {
-      case 8: unit<NR, MR, 8>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
-      case 4: unit<NR, MR, 4>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
-      default: unit<NR, MR, 2>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
-    }
-  }
-  if (Sliced && u1 < L.U) {
-#pragma GCC unroll 4
-    for (int n = 0; n < NR; ++n)
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) partial[n * MR + m] = fa[n][m];
-    return;
-  }
+// The tile's end: y[m][n] = hsum16(fa[n][m]) (+ bias[n]).
+template <int NR, int MR>
+__attribute__((always_inline)) inline void finish_tile(const vf (&fa)[NR][MR], const float* bias, float* y,
+                                                       int64_t ldy) {
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
@@ -160,62 +122,3 @@ __attribute__((always_inline)) inline void tile(const uint8_t* W, const int8_t* 
 }
 
 constexpr int kTileRows = 4;  // activation rows per tile
-
-// mr activation rows (1..kTileRows) of a tile; partial == nullptr: the whole of K, else the units [u0, u1).
-template <int NR>
-inline void tile_mr(int mr, const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
-                    const uint16_t* wscale, const float* bias, float* y, int64_t ldy, const uint8_t* pf = nullptr,
-                    int64_t u0 = 0, int64_t u1 = 0, vf* partial = nullptr) {
-  static_assert(kTileRows == 4, "the cases below");
-  if (partial == nullptr) {
-    switch (mr) {
-      case 1: tile<NR, 1, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr); break;
-      case 2: tile<NR, 2, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr); break;
-      case 3: tile<NR, 3, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr); break;
-      default: tile<NR, 4, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr); break;
-    }
-    return;
-  }
-  switch (mr) {
-    case 1: tile<NR, 1, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial); break;
-    case 2: tile<NR, 2, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial); break;
-    case 3: tile<NR, 3, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial); break;
-    default: tile<NR, 4, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial); break;
-  }
-}
-
-// process weight rows [n0, n1) x activation rows [m0, m1), walked as linear_block of the AVX-512 path
-void linear_block(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
-                  const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1, int64_t m0,
-                  int64_t m1) {
-  const int64_t ldc = L.U * 16;
-  constexpr int NR = 4;
-  constexpr int MR = kTileRows;
-  const int64_t slice_units = NR * L.Kp > kSliceBytes && m1 - m0 > 1 && m1 - m0 <= kMaxSlicedRows
-                                  ? std::max<int64_t>(1, kSliceBytes / (NR * kGroup))
-                                  : L.U;
-  alignas(64) vf partial[kMaxSlicedRows * NR];
-  for (int64_t n = n0; n < n1; n += NR) {
-    const int64_t nr = std::min<int64_t>(NR, n1 - n);
-    if (nr < NR) {  // the last N % 4 rows are plain rows
-      for (int64_t m = m0; m < m1; m += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-        for (int64_t i = n; i < n + nr; ++i)
-          tile_mr<1>(mr, W + i * L.Kp, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale + i * (L.Kp / 32),
-                     bias ? bias + i : nullptr, y + m * N + i, N);
-      }
-      continue;
-    }
-    const uint8_t* pf = n + 2 * NR <= n1 ? W + (n + NR) * L.Kp : nullptr;
-    for (int64_t u0 = 0; u0 < L.U; u0 += slice_units) {
-      const int64_t u1 = u0 + slice_units >= L.G ? L.U : u0 + slice_units;
-      for (int64_t m = m0; m < m1; m += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-        tile_mr<NR>(mr, W + n * L.Kp, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale + n * (L.Kp / 32),
-                    bias ? bias + n : nullptr, y + m * N + n, N, pf, u0, u1,
-                    slice_units < L.U ? partial + (m - m0) * NR : nullptr);
-      }
-      if (u1 == L.U) break;
-    }
-  }
-}

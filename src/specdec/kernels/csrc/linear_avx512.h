@@ -85,54 +85,10 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
   }
 }
 
-// NR weight rows x MR activation rows over the units [u0, u1) of K. The accumulators start at zero when u0 == 0
-// and from partial[n * MR ... ] (the sums of the units before u0, stored exactly) otherwise; when u1 == L.U the
-// tile ends: y = hsum16(fa) (+ bias); otherwise fa is stored back into partial. The units are added into fa in
-// the same order however K is split, so a K-split tile is bitwise the unsplit one. Sliced = false: the whole
-// of K (u0 = 0, u1 = L.U, no partial), compiled without the slice bookkeeping.
-// Always inlined: left to itself the compiler made it a call per tile, 3-6 % of a one-row call over Gemma's
-// output layer (65536 tiles of 2.5 KB).
-template <int NR, int MR, bool Sliced>
-__attribute__((always_inline)) inline void tile(const uint8_t* W, const int8_t* X, const int32_t* corr,
-                                                    const float* xs, const Layout& L, const uint16_t* wscale,
-                                                    const float* bias, float* y, int64_t ldy, const uint8_t* pf,
-                                                    int64_t u0, int64_t u1, __m512* partial) {
-  if constexpr (!Sliced) {
-    u0 = 0;
-    u1 = L.U;
-  }
-  const int64_t Kp = L.Kp;
-  const int64_t ldc = L.U * 16;
-  const int64_t ldw = Kp / 32;
-  // the scales of the next tile (contiguous after this tile's) are a separate
-  // small stream: fetch them early so their misses overlap this tile's work
-  if (u0 == 0)
-    for (int64_t o = 0; o < NR * ldw * 2; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wscale + NR * ldw) + o, _MM_HINT_T0);
-  __m512 fa[NR][MR];
-#pragma GCC unroll 16
-  for (int n = 0; n < NR; ++n)
-#pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) fa[n][m] = (!Sliced || u0 == 0) ? _mm512_setzero_ps() : partial[n * MR + m];
-
-  for (int64_t u = u0; u < std::min(u1, L.G); ++u)
-    unit<NR, MR, 16>(W, X, corr, xs, Kp, ldc, ldw, u, u * 16, wscale, pf, fa);
-  for (int64_t t = 0; t < L.T; ++t) {
-    const int64_t u = L.G + t;
-    if (u < u0 || u >= u1) continue;
-    switch (L.tail_nb[t]) {
-      case 8: unit<NR, MR, 8>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
-      case 4: unit<NR, MR, 4>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
-      default: unit<NR, MR, 2>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
-    }
-  }
-  if (Sliced && u1 < L.U) {
-#pragma GCC unroll 16
-    for (int n = 0; n < NR; ++n)
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) partial[n * MR + m] = fa[n][m];
-    return;
-  }
+// The tile's end: y[m][n] = hsum16(fa[n][m]) (+ bias[n]), four rows' sums at once when NR == 4.
+template <int NR, int MR>
+__attribute__((always_inline)) inline void finish_tile(const vf (&fa)[NR][MR], const float* bias, float* y,
+                                                       int64_t ldy) {
   if constexpr (NR == 4) {
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
@@ -152,67 +108,4 @@ __attribute__((always_inline)) inline void tile(const uint8_t* W, const int8_t* 
   }
 }
 
-// mr activation rows (1..3) of a tile; partial == nullptr: the whole of K (u0, u1 unused), else the units
-// [u0, u1) of a K-sliced walk (see tile).
-template <int NR>
-inline void tile_mr(int mr, const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs,
-                        const Layout& L, const uint16_t* wscale, const float* bias, float* y, int64_t ldy,
-                        const uint8_t* pf = nullptr, int64_t u0 = 0, int64_t u1 = 0, __m512* partial = nullptr) {
-  if (partial == nullptr) {
-    switch (mr) {
-      case 1: tile<NR, 1, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr); break;
-      case 2: tile<NR, 2, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr); break;
-      default: tile<NR, 3, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr); break;
-    }
-    return;
-  }
-  switch (mr) {
-    case 1: tile<NR, 1, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial); break;
-    case 2: tile<NR, 2, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial); break;
-    default: tile<NR, 3, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial); break;
-  }
-}
-
-// process weight rows [n0, n1) x activation rows [m0, m1)
-void linear_block(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
-                      const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
-                      int64_t m0, int64_t m1) {
-  const int64_t ldc = L.U * 16;
-  constexpr int NR = 4;
-  constexpr int MR = 3;
-  // units per K slice: whole groups of 16 blocks (512 bytes per row); the tail units go with the last slice
-  const int64_t slice_units = NR * L.Kp > kSliceBytes && m1 - m0 > 1 && m1 - m0 <= kMaxSlicedRows
-                                  ? std::max<int64_t>(1, kSliceBytes / (NR * kGroup))
-                                  : L.U;
-  alignas(64) __m512 partial[kMaxSlicedRows * NR];
-  for (int64_t n = n0; n < n1; n += NR) {
-    const int64_t nr = std::min<int64_t>(NR, n1 - n);
-    if (nr < NR) {  // the last N % 4 rows are plain rows
-      for (int64_t m = m0; m < m1; m += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-        for (int64_t i = n; i < n + nr; ++i)
-          tile_mr<1>(mr, W + i * L.Kp, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale + i * (L.Kp / 32),
-                         bias ? bias + i : nullptr, y + m * N + i, N);
-      }
-      continue;
-    }
-    // Full tiles are tile-interleaved. Every row block prefetches the next tile into L2 (the same lines again
-    // after the first block: measured, with 8 activation rows this lets memory keep streaming while the row
-    // blocks compute, where prefetching from the first block only left memory idle for most of the tile;
-    // T0 hint or more tiles ahead are slower).
-    const uint8_t* pf = n + 2 * NR <= n1 ? W + (n + NR) * L.Kp : nullptr;
-    for (int64_t u0 = 0; u0 < L.U; u0 += slice_units) {
-      const int64_t u1 = u0 + slice_units >= L.G ? L.U : u0 + slice_units;
-      for (int64_t m = m0; m < m1; m += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-        tile_mr<NR>(mr, W + n * L.Kp, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale + n * (L.Kp / 32),
-                        bias ? bias + n : nullptr, y + m * N + n, N, pf, u0, u1,
-                        slice_units < L.U ? partial + (m - m0) * NR : nullptr);
-      }
-      if (u1 == L.U) break;
-    }
-  }
-}
-
-// quantize_unit_scalar's operations (amax of |x| -- exact in any order --, d = amax / 127, id = 1 / d,
-// nearest-even rounding of x * id, clamp to +-127, exact int sum), 16 values per instruction, in two passes
+constexpr int kTileRows = 3;  // activation rows per tile
