@@ -30,8 +30,8 @@ def load_other(path: str):
 
 
 def main() -> int:
-    from specdec.bench.datasets import load_questions
-    from specdec.bench.runner import encode_chat
+    from specdec.datasets import load_questions
+    from specdec.models.tokenizer import encode_chat
     from specdec.config import SamplingParams
     from specdec.llm import LLM
 

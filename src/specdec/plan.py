@@ -253,7 +253,7 @@ def measured_ridge() -> tuple[float, str]:
     """This machine's fp32 matmul FLOP/s over its read bandwidth (a rough ridge point)."""
     import torch
 
-    from specdec.bench.runtime_bench import read_bandwidth_gbs
+    from specdec.engine.cost_model import read_bandwidth_gbs
 
     a = torch.randn(1024, 1024)
     a @ a

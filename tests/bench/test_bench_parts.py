@@ -3,10 +3,11 @@ import json
 
 import pytest
 
-from specdec.bench.datasets import HUMANEVAL_CATEGORY, load_questions
+from specdec.datasets import HUMANEVAL_CATEGORY, load_questions
 from specdec.bench.methods import Generation, Runner, parse_methods, split_methods
 from specdec.bench.report import OVERALL, build_results
-from specdec.bench.runner import check_lossless, encode_chat, first_difference, run_round
+from specdec.bench.runner import check_lossless, first_difference, run_round
+from specdec.models.tokenizer import encode_chat
 
 
 def test_split_methods_keeps_json_commas():

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from specdec.bench.datasets import HUMANEVAL_CATEGORY, HUMANEVAL_INSTRUCTION, Question, load_questions
+from specdec.datasets import HUMANEVAL_CATEGORY, HUMANEVAL_INSTRUCTION, Question, load_questions
 from specdec.runtime import load_model
 from specdec.train.self_instruct import (META_FILE, QUESTIONS_FILE, SelfInstructSpec, humaneval_stub, question_row,
                                          request_message, training_seeds, write_self_instruct_questions)

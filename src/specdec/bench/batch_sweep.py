@@ -79,8 +79,8 @@ def build_llms(loaded, config: dict, max_batch: int, max_verify_tokens: int = 32
 
 
 def load_prompts(path: str, category: str, count: int, llm) -> list[list[int]]:
-    from specdec.bench.datasets import load_questions
-    from specdec.bench.runner import encode_chat
+    from specdec.datasets import load_questions
+    from specdec.models.tokenizer import encode_chat
 
     questions = load_questions(path, [category])
     if not questions:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specdec.cache.kv_cache import KVCache
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.models.transformer import Transformer
 
 CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}

@@ -64,9 +64,9 @@ class LevelReport:
 
 
 def load_prompts(path: str, category: str | None) -> list[str]:
-    """The first user turn of every question of a Spec-Bench or HumanEval JSONL file (bench.datasets), optionally
+    """The first user turn of every question of a Spec-Bench or HumanEval JSONL file (specdec.datasets), optionally
     of one category only (HumanEval's is "humaneval")."""
-    from specdec.bench.datasets import load_questions
+    from specdec.datasets import load_questions
 
     prompts = [question.turns[0] for question in load_questions(path, None if category is None else [category])]
     if not prompts:

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdec.bench.datasets import Question, load_questions
+from specdec.datasets import Question, load_questions
+from specdec.models.tokenizer import encode_chat
 from specdec.config import DRAFT_POLICIES
 from specdec.bench.methods import Generation, MethodSpec, Runner, draft_model_of, parse_methods
 
@@ -207,12 +208,6 @@ def run_round(round_index: int, questions: list[Question], runners: list[Runner]
                 progress.set_postfix_str(f"{question.category} {runner.label}", refresh=False)
                 progress.update(1)
     return records
-
-
-def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The same ids as ``LLM.encode_prompt(messages, chat=True)``; every runner gets exactly these."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def make_record(round_index: int, runner: Runner, question: Question, turn_index: int, prompt_ids: list[int],

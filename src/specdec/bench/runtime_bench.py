@@ -17,26 +17,11 @@ import time
 import torch
 
 from specdec.config import SamplingParams
-from specdec.engine.cost_model import forward_seconds
+from specdec.engine.cost_model import forward_seconds, read_bandwidth_gbs
 from specdec.llm import LLM
 from specdec.runtime import configure_threads
 
 PROMPT = "Write a detailed explanation of how a hash map works, including collisions and resizing."
-
-
-def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
-    """Memory read bandwidth: one pass over a large fp32 buffer as the matrix of a matrix-vector product
-    ([rows, 4096] · [4096]: one multiply-add per 4 bytes read, no writes but the short result), fastest of
-    `repeats`. A reduction such as the buffer's max is not memory-bound on every CPU: on a two-core Xeon it read
-    15–16 GB/s (sum 18–19) where this product read 24–25 (docs/performance.md, session 20)."""
-    matrix = torch.ones(megabytes * 2**20 // (4 * 4096), 4096, dtype=torch.float32)
-    vector = torch.ones(4096, dtype=torch.float32)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mv(matrix, vector)
-        times.append(time.perf_counter() - start)
-    return matrix.numel() * 4 / min(times) / 1e9
 
 
 def peak_rss_mb() -> float:

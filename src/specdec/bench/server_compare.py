@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from specdec.bench.datasets import load_questions
+from specdec.datasets import load_questions
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from specdec.bench.methods import REFERENCE_METHOD
-from specdec.bench.runner import encode_chat
-from specdec.bench.datasets import Question, load_questions
+from specdec.models.tokenizer import encode_chat
+from specdec.datasets import Question, load_questions
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.factory import build_lookup_drafter

@@ -35,7 +35,7 @@ from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.growth import depth_batches, new_growth
 from specdec.drafters.tree import check_tree_args
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.models.layers import Linear
 from specdec.models.transformer import Transformer
 from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample

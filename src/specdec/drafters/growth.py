@@ -13,7 +13,7 @@ import torch
 
 from specdec.drafters.base import Draft
 from specdec.drafters.tree import DraftTree, check_tree_args
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.verify.sampling import greedy_tokens
 
 

@@ -19,7 +19,7 @@ from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, HiddenStateDrafter, check_propose_args, unknown_request_error
 from specdec.drafters.growth import depth_batches, new_growth
 from specdec.drafters.tree import check_tree_args
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.heads.modules import EagleHead, MedusaHeads, TargetParts
 from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample
 

@@ -764,7 +764,7 @@ class _ForwardTimer:
         self.batches: dict[tuple[int, int], object] = {}
 
     def __call__(self, rows: int, context: int) -> float:
-        from specdec.engine.batch import ForwardBatch
+        from specdec.models.batch import ForwardBatch
 
         batch = self.batches.get((rows, context))
         if batch is None:
@@ -810,7 +810,7 @@ def _worth_continuing(samples: CostSamples, long_context: int | None, budget_s: 
 def prefilled_row_batches(model, cache, slot: int, context: int, row_counts: SequenceOf[int], max_rows: int) -> dict:
     """Prefills `context` random token ids (seed 0; max_rows more drawn after them) into `slot` and returns, per n in
     row_counts, the batch of the next n of them: {n: ForwardBatch}, every logit row wanted."""
-    from specdec.engine.batch import ForwardBatch
+    from specdec.models.batch import ForwardBatch
 
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (context + max_rows,), generator=generator).tolist()
@@ -857,6 +857,21 @@ def _timed_forward(model, batch, cache) -> float:
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def read_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """Memory read bandwidth: one pass over a large fp32 buffer as the matrix of a matrix-vector product
+    ([rows, 4096] · [4096]: one multiply-add per 4 bytes read, no writes but the short result), fastest of
+    `repeats`. A reduction such as the buffer's max is not memory-bound on every CPU: on a two-core Xeon it read
+    15–16 GB/s (sum 18–19) where this product read 24–25."""
+    matrix = torch.ones(megabytes * 2**20 // (4 * 4096), 4096, dtype=torch.float32)
+    vector = torch.ones(4096, dtype=torch.float32)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mv(matrix, vector)
+        times.append(time.perf_counter() - start)
+    return matrix.numel() * 4 / min(times) / 1e9
 
 
 def machine_name(device: str | torch.device = "cpu") -> str:

@@ -24,7 +24,7 @@ from specdec.cache.prefix_store import PrefixCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter, HiddenStateDrafter
 from specdec.drafters.tree import DraftTree
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence, TokenKind, new_sequence

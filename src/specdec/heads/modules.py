@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.cache.kv_cache import KVCache
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.heads.config import HeadConfig
 from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
 from specdec.models.config import ModelConfig

@@ -408,3 +408,10 @@ def _compile_template(source: str):
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
             sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """A chat rendered with the tokenizer's template and encoded: the same ids as ``LLM.encode_prompt(messages,
+    chat=True)``, which benchmarks and training data use alike."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -6,14 +6,17 @@ the chosen weight format (models/layers.Linear). q/k/v and gate/up are fused int
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdec.cache.kv_cache import KVCache
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
 from specdec.models.config import ModelConfig
 from specdec.models.layers import Linear, RotaryTable
+
+if TYPE_CHECKING:  # the cache is the layer above: the model only writes and reads the one it is given
+    from specdec.cache.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

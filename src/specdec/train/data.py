@@ -60,8 +60,8 @@ def load_prompts(tokenizer, paths: Sequence[str], holdout_every: int = 0, limit:
     held_out: keep only those questions instead (the evaluation prompts).
     limit: keep this many prompts, evenly spaced over the list (so every file and category stays represented).
     """
-    from specdec.bench.datasets import is_held_out, load_questions
-    from specdec.bench.runner import encode_chat
+    from specdec.datasets import is_held_out, load_questions
+    from specdec.models.tokenizer import encode_chat
 
     prompts = []
     for path in paths:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from specdec.bench.datasets import HUMANEVAL_CATEGORY, HUMANEVAL_INSTRUCTION, Question
+from specdec.datasets import HUMANEVAL_CATEGORY, HUMANEVAL_INSTRUCTION, Question
 from specdec.config import SamplingParams
 
 QUESTIONS_FILE = "questions.jsonl"
@@ -94,7 +94,7 @@ def training_seeds(paths: Sequence[str], holdout_every: int, tokenizer, max_toke
     """The seeds: the questions of the files that training may use (every holdout_every-th one is held out, as in
     `load_prompts`) whose first turn (the stub, for code) is at most max_tokens tokens, i.e. examples the target can
     imitate within the length it is given; in file order."""
-    from specdec.bench.datasets import is_held_out, load_questions
+    from specdec.datasets import is_held_out, load_questions
 
     def length(question: Question) -> int:
         text = humaneval_stub(question) if question.category == HUMANEVAL_CATEGORY else question.turns[0]
@@ -109,7 +109,7 @@ def write_self_instruct_questions(target, tokenizer, seeds: Sequence[Question], 
                                   progress: Callable[[int, int], None] | None = None) -> Path:
     """Runs the spec.count seeds (cycling over `seeds`) that the directory does not have yet, batch by batch, and
     returns the questions file."""
-    from specdec.bench.runner import encode_chat
+    from specdec.models.tokenizer import encode_chat
     from specdec.engine.engine import Engine
 
     if not seeds:
