@@ -5,7 +5,7 @@ import torch
 import specdec.models.transformer as transformer_module
 from specdec.bench.forward_breakdown import REST, format_breakdown, forward_breakdown, timed_kernels
 from specdec.cache.kv_cache import KVCache
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.models.layers import Linear
 
 

@@ -7,7 +7,7 @@ import torch
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 
 PROMPT = [5, 17, 42, 99, 3, 250, 77, 12]
 

@@ -5,7 +5,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.engine.engine import Engine
 
 ARCHITECTURES = ("llama", "qwen2", "gemma3")

@@ -12,7 +12,7 @@ from specdec.config import SamplingParams
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixDrafter
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.engine.draft_policy import BatchDraftPolicy
 from specdec.engine.engine import Engine
 from specdec.engine.sequence import TokenKind

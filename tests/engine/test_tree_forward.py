@@ -5,7 +5,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.drafters.tree import DraftTree
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 
 PREFIX = [5, 17, 42, 99, 3, 250, 77, 12, 8, 130, 64, 201]  # 12 committed tokens; the last one is the tree root
 BRANCHES = [(17, 42, 99, 3), (17, 250, 77), (8, 130, 64, 201), (17, 42, 5, 6, 7), (9,)]

@@ -10,7 +10,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.factory import build_drafter, build_head_drafter
 from specdec.drafters.heads import EagleDrafter, MedusaDrafter
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.heads.config import HeadConfig, load_head, save_head, target_fingerprint
 from specdec.heads.modules import TargetParts
 from specdec.models.layers import Linear

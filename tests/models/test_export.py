@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec.cache.kv_cache import KVCache
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.models.export import ExportError, export_hf_dir, hf_config_dict
 from specdec.models.loader import Checkpoint, hf_tensor_name, load_checkpoint, load_hf_dir
 from specdec.models.tokenizer import Tokenizer

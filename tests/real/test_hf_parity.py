@@ -10,7 +10,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.llm import LLM
 from specdec.models.loader import load_checkpoint
 from specdec.models.transformer import Transformer

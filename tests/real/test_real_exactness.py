@@ -6,7 +6,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
-from specdec.engine.batch import ForwardBatch
+from specdec.models.batch import ForwardBatch
 from specdec.llm import LLM
 from specdec.runtime import load_model
 from real_models import real_model_path
