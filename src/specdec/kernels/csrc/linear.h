@@ -153,9 +153,11 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
 
   const float* xp = x.data_ptr<float>();
   const Isa isa = active_isa();
+  // the avx2 path's dots: vpdpbusd where the CPU has AVX-VNNI, else the signed dot (see linear_avx2.h)
+  const bool avx2_vnni = isa == Isa::avx2 && cpu_has_avx_vnni();
   const QuantizeUnit quantize_unit = pick_quantize_unit(isa);
   parallel_rows(M, M * K, [&](int64_t a, int64_t b) {
-    quantize_rows(quantize_unit, xp, K, L, a, b, xq, corr, xs, isa == Isa::avx2 && !cpu_has_avx_vnni());
+    quantize_rows(quantize_unit, xp, K, L, a, b, xq, corr, xs, isa == Isa::avx2 && !avx2_vnni);
   });
 
   const uint8_t* W = qweight.data_ptr<uint8_t>();
@@ -176,7 +178,7 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
       const int64_t m1 = std::min(M, m0 + mb);
       if (at_least(isa, Isa::avx512))
         avx512::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
-      else if (isa == Isa::avx2 && cpu_has_avx_vnni())
+      else if (avx2_vnni)
         avx2_vnni::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
       else if (isa == Isa::avx2)
         avx2::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
