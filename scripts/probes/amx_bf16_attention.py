@@ -1,5 +1,5 @@
-"""Probe: attention scores on AMX-BF16 tiles against the FMA tiles of our attention kernel (docs/performance.md,
-"Attention on AMX-BF16, measured and not adopted (session 20)").
+"""Probe: attention scores on AMX-BF16 tiles against the FMA tiles of our attention kernel (docs/kernels.md,
+"tried and not adopted").
 
     .venv/bin/python scripts/probes/amx_bf16_attention.py [--threads 1]
 

@@ -1,5 +1,5 @@
 """Probe: how fast one core reads memory from one sequential stream, and from several walked side by side
-(docs/performance.md, "Several weight streams per thread (session 20)").
+(docs/kernels.md, tried and not adopted).
 
     .venv/bin/python scripts/probes/read_streams.py [--threads 1,2] [--streams 1,2,3,4,8]
 

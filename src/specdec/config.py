@@ -18,7 +18,7 @@ METHODS_WITHOUT_DRAFT_MODEL = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_DRAFT_BRANCHES = 8
 # num_draft_branches when the config leaves it out: the drafters that grow weighed dynamic trees, cut by the cost
-# model, draft trees (measured: docs/benchmarks.md, "Session 12"); lookups draft chains.
+# model, draft trees (measured: docs/methods.md, token trees); lookups draft chains.
 DEFAULT_DRAFT_BRANCHES = {"draft_model": 4, "eagle": 4}
 DRAFT_POLICIES = ("adaptive", "fixed")  # adaptive: k per step from acceptance and measured costs; fixed: always k
 

@@ -5,7 +5,7 @@ from test_draft_heads import train
 
 @pytest.fixture(scope="session")
 def trained_heads(make_tiny_model, tiny_tokenizer):
-    """trained_heads(architecture, method) -> Trainer after 40 steps (trained once per session)."""
+    """trained_heads(architecture, method) -> Trainer after 40 steps (trained once per test run)."""
     cache = {}
 
     def get(architecture, method):

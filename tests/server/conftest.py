@@ -1,4 +1,4 @@
-"""Session-scoped in-process servers on tiny models (ngram drafter, draft-model drafter)."""
+"""In-process servers, one per test run, on tiny models (ngram drafter, draft-model drafter)."""
 import pytest
 
 from server_helpers import MAX_MODEL_LEN, ngram_tiny_server, start_server, tiny_llm

@@ -16,7 +16,7 @@ KNOWN_METHODS = (REFERENCE_METHOD, "ngram", "suffix", "draft_model", "eagle", "m
 
 # Default speculative config per method (num_speculative_tokens = k).
 DEFAULT_METHOD_CONFIGS: dict[str, dict[str, Any]] = {
-    # k <= 16: the adaptive policy drafts as deep as the cost profile's knee pays (docs/benchmarks.md, session 9)
+    # k <= 16: the adaptive policy drafts as deep as the cost profile's knee pays (docs/draft-length.md)
     "ngram": {"num_speculative_tokens": 16, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     "suffix": {"num_speculative_tokens": 16},
     "draft_model": {"num_speculative_tokens": 4},

@@ -100,7 +100,7 @@ class AcceptanceEstimate:
         k - 1's, moves up toward it by `stale_weight` per further step. Without this a position that missed a few
         times early kept its low estimate for good, since k never reached it again: a Gemma-3-270M qa answer
         drafted k = 2 for 36 steps after 3 misses at position 2, whose acceptance a fixed k = 8 measured at
-        0.85 (session 14). A position that really ends the drafts' hits is then tried again about every
+        0.85. A position that really ends the drafts' hits is then tried again about every
         stale_after steps, one row each time."""
         target = self.alphas[k - 1]
         for position in range(k, len(self.alphas)):
@@ -177,7 +177,7 @@ class WorthCalibration:
     Decayed sums of the worth of verified weighed nodes and of the nodes accepted among them; `scale` (accepted
     per unit of worth, starting from a prior of `prior_nodes` nodes taken at face value) multiplies the worths
     before the cost model weighs them. Measured here: the Qwen2.5-Coder EAGLE head's path probabilities are
-    about 1.6x its acceptance (docs/draft-heads.md, "Session 12"), which would make trees look worth more rows
+    about 1.6x its acceptance (docs/draft-length.md, trees), which would make trees look worth more rows
     than they are.
     """
 
