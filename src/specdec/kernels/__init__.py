@@ -1,4 +1,4 @@
-"""Row-invariant CPU kernels (int8 linear, range attention); see ops.py."""
+"""Row-invariant CPU kernels (int8 and 4-bit linear, range attention); see ops.py and q4.py."""
 
 from specdec.kernels.ops import (
     QKNormRope,
@@ -18,8 +18,11 @@ from specdec.kernels.ops import (
     rms_norm,
     supported_isas,
 )
+from specdec.kernels.q4 import Q4ShapeError, Q4Weight, q4_from_q4k_blocks, q4_linear, q4_supports, quantize_q4
 
 __all__ = [
+    "Q4ShapeError",
+    "Q4Weight",
     "QKNormRope",
     "QuantizedWeight",
     "argmax_rows",
@@ -31,8 +34,12 @@ __all__ = [
     "kernel_isa",
     "kernels_available",
     "kv_write",
+    "q4_from_q4k_blocks",
+    "q4_linear",
+    "q4_supports",
     "q8_linear",
     "qk_norm_rope",
+    "quantize_q4",
     "quantize_weight",
     "rms_norm",
     "supported_isas",

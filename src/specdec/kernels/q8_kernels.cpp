@@ -1,6 +1,6 @@
-// specdec's CPU kernels: the int8 weight-only linear in two weight layouts, range (and tree) attention, and the
-// row-wise ops of a transformer layer, each with one fixed reduction order per output element that depends
-// neither on the number of rows, nor on the other rows, nor on the thread count (row invariance).
+// specdec's CPU kernels: the int8 weight-only linear in two weight layouts, the 4-bit linear, range (and tree)
+// attention, and the row-wise ops of a transformer layer, each with one fixed reduction order per output element
+// that depends neither on the number of rows, nor on the other rows, nor on the thread count (row invariance).
 //
 // One binary holds every kernel path (scalar, avx2, avx512, amx); the path is chosen at run time, once per call
 // at the top of each entry point (csrc/common.h: active_isa). All paths perform the same operations in the same
@@ -14,7 +14,8 @@
 //   csrc/linear_walk.h     ... the walk over tiles, row blocks and K slices, the same for every vector path
 //   csrc/linear_avx2.h     the int8 linear, vnni layout, AVX2 (and again with AVX-VNNI where the CPU has it)
 //   csrc/linear_amx.h      the int8 linear, amx layout (AMX tiles, and AVX-512 VNNI for few rows)
-//   csrc/linear.h, attention.h, rowwise.h   the entry points
+//   csrc/q4_scalar.h       the 4-bit linear (q4, GGUF Q4_K blocks): its layout, reduction order and scalar path
+//   csrc/linear.h, q4_linear.h, attention.h, rowwise.h   the entry points
 // This file includes them in order (the vector paths inside their own namespace and target) and binds them.
 
 #include <torch/extension.h>
@@ -46,6 +47,7 @@ namespace {
 
 #include "csrc/common.h"
 #include "csrc/scalar.h"
+#include "csrc/q4_scalar.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -86,6 +88,7 @@ namespace amx {
 #pragma GCC pop_options
 
 #include "csrc/linear.h"
+#include "csrc/q4_linear.h"
 #include "csrc/attention.h"
 #include "csrc/rowwise.h"
 
@@ -127,6 +130,7 @@ int64_t parallel_threads(int64_t n) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "int8 weight x Q8_0 activation linear (row invariant)");
+  m.def("q4_linear", &q4_linear, "4-bit weight (Q4_K blocks) x Q8_0 activation linear (row invariant)");
   m.def("attention", &attention, "range attention (row invariant), optionally followed by extra keys per row",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("key_start"),
         py::arg("key_end"), py::arg("scale"), py::arg("extra_keys") = py::none());

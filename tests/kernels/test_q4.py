@@ -1,0 +1,221 @@
+"""q4 (GGUF Q4_K blocks, repacked): lossless import of Q4_K bytes, every vector path bitwise equal to the scalar
+path, bitwise row and thread invariance, accuracy against the dequantized weight, the torch fallback."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from specdec.kernels import ops, q4
+
+# in = 256 n for n = 1..4 (a lone unit of 8 sub-blocks, one of 16, 16 + 8, 16 + 16), Qwen-like widths (1536, 2048,
+# 8960 = 35 super-blocks: 17 units of 16 and one of 8)
+WIDTHS = (256, 512, 768, 1024, 1536, 2048, 8960)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def _random_q4k_bytes(out_features: int, in_features: int, seed: int) -> np.ndarray:
+    """Valid random Q4_K super-blocks [out, in/256 * 144]: any scale and quant bytes, finite fp16 d and dmin
+    (normal and subnormal, some zero)."""
+    rng = np.random.default_rng(seed)
+    count = out_features * in_features // 256
+    blocks = rng.integers(0, 256, size=(count, 144), dtype=np.uint8)
+    d = (rng.standard_normal(count) * 1e-3).astype(np.float16)
+    dmin = np.abs(rng.standard_normal(count) * 1e-3).astype(np.float16)
+    d[:: 7] = np.float16(3e-7)  # subnormal
+    dmin[:: 11] = 0.0
+    blocks[:, 0:2] = d.view(np.uint8).reshape(count, 2)
+    blocks[:, 2:4] = dmin.view(np.uint8).reshape(count, 2)
+    return blocks.reshape(out_features, -1)
+
+
+def _random_weight(out_features: int, in_features: int, seed: int) -> q4.Q4Weight:
+    """A random q4 weight with every field at its full range (quants 0..15, 6-bit scales and mins)."""
+    g = torch.Generator().manual_seed(seed)
+    super_blocks = in_features // 256
+    blocks = q4.Q4Blocks(
+        quants=torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8),
+        sub_scales=torch.randint(0, 64, (out_features, 8 * super_blocks), generator=g, dtype=torch.uint8),
+        sub_mins=torch.randint(0, 64, (out_features, 8 * super_blocks), generator=g, dtype=torch.uint8),
+        d=(torch.rand(out_features, super_blocks, generator=g) * 2e-3).to(torch.float16),
+        dmin=(torch.rand(out_features, super_blocks, generator=g) * 2e-3).to(torch.float16),
+    )
+    return q4.Q4Weight.from_blocks(blocks)
+
+
+def _activations(rows: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] with outlier columns, a row of large values and an all-zero row; bias."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=g)
+    x[::5, :: max(1, in_features // 5)] *= 30.0
+    if rows > 3:
+        x[3] = 0.0
+    if rows > 6:
+        x[6] *= 1e6
+    return x, torch.randn(256 * 40, generator=g)
+
+
+def _bits(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+
+
+# --------------------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize("out_features,in_features", [(1, 256), (5, 512), (9, 768), (4, 2304)])
+def test_q4k_bytes_load_losslessly(out_features, in_features):
+    raw = _random_q4k_bytes(out_features, in_features, seed=in_features + out_features)
+    weight = q4.q4_from_q4k_blocks(raw, out_features, in_features)
+    reference = gguf_dequantize(raw, GGMLQuantizationType.Q4_K).reshape(out_features, in_features)
+    assert np.array_equal(_bits(weight.dequantize().numpy()), _bits(reference))
+    assert weight.bits_per_weight == pytest.approx(4.625)
+    # the torch-tensor input takes the same path
+    again = q4.q4_from_q4k_blocks(torch.from_numpy(raw), out_features, in_features)
+    assert torch.equal(again.quants, weight.quants) and torch.equal(again.scales, weight.scales)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(7, 256), (9, 1280), (4, 512)])
+def test_packing_round_trips(out_features, in_features):
+    weight = _random_weight(out_features, in_features, seed=3)
+    blocks = weight.blocks()
+    repacked = q4.Q4Weight.from_blocks(blocks)
+    assert torch.equal(repacked.quants, weight.quants) and torch.equal(repacked.scales, weight.scales)
+    assert all(torch.equal(a, b) for a, b in zip(repacked.blocks(), blocks))
+
+
+def test_nibble_columns_cover_every_column_once():
+    for in_features in (256, 512, 768, 8960):
+        low, high = q4._nibble_columns(in_features)
+        assert sorted(torch.cat([low, high]).tolist()) == list(range(in_features))
+
+
+def test_in_features_must_be_a_multiple_of_256():
+    assert not q4.q4_supports(640) and q4.q4_supports(2048)
+    with pytest.raises(q4.Q4ShapeError, match="multiple of 256"):
+        q4.quantize_q4(torch.randn(4, 640))
+    with pytest.raises(q4.Q4ShapeError, match="keep this layer at q8"):
+        q4.q4_from_q4k_blocks(np.zeros((2, 144 * 2), np.uint8), 2, 320)
+
+
+def test_quantize_q4_search_beats_min_max():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 1024, generator=g) * 0.02
+    weight[:, ::97] *= 10.0
+    errors = {}
+    for steps in (0, 20):
+        quantized = q4.quantize_q4(weight, search_steps=steps)
+        errors[steps] = (quantized.dequantize() - weight).pow(2).mean().sqrt().item()
+    assert errors[20] < 0.95 * errors[0]
+    assert errors[20] < 0.1 * weight.pow(2).mean().sqrt().item()
+
+
+def test_quantize_q4_edge_rows():
+    weight = torch.zeros(4, 256)
+    weight[1] = -0.5  # constant negative: only the min
+    weight[2] = 0.25  # constant positive
+    weight[3, 7] = 1.0  # one spike
+    restored = q4.quantize_q4(weight).dequantize()
+    assert torch.equal(restored[0], torch.zeros(256))
+    assert torch.allclose(restored[1:], weight[1:], atol=2e-3)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("in_features", WIDTHS)
+@pytest.mark.parametrize("out_features", [1, 3, 4, 5, 22, 37])
+def test_vector_path_matches_scalar(in_features, out_features, vector_path):
+    weight = _random_weight(out_features, in_features, seed=in_features + out_features)
+    x, bias = _activations(20, in_features, seed=1)
+    bias = bias[:out_features]
+    row_counts = range(1, 21) if out_features in (5, 37) else (1, 2, 3, 4, 7, 13, 20)
+    for with_bias in (None, bias):
+        vector = [q4.q4_linear(x[:m], weight, with_bias) for m in row_counts]
+        with ops.forced_isa("scalar"):
+            scalar = [q4.q4_linear(x[:m], weight, with_bias) for m in row_counts]
+        for m, y, y_scalar in zip(row_counts, vector, scalar):
+            assert torch.equal(y, y_scalar), f"{vector_path}, M={m}, bias={with_bias is not None}"
+
+
+def test_vector_path_matches_scalar_on_wide_outputs(vector_path):
+    """Many tiles, handed out in chunks to 2 threads, and a partial tile of plain rows."""
+    weight = _random_weight(1027, 512, seed=5)
+    x, _ = _activations(9, 512, seed=2)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        vector = q4.q4_linear(x, weight)
+        with ops.forced_isa("scalar"):
+            scalar = q4.q4_linear(x, weight)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(vector, scalar)
+
+
+@pytest.mark.parametrize("in_features,out_features", [(256, 37), (768, 130), (2048, 64), (8960, 22)])
+def test_row_invariance(in_features, out_features, threads):
+    weight = _random_weight(out_features, in_features, seed=7)
+    x, bias = _activations(40, in_features, seed=3)
+    bias = bias[:out_features]
+    full = q4.q4_linear(x, weight, bias)
+    assert full.shape == (40, out_features) and full.dtype == torch.float32
+    alone = torch.cat([q4.q4_linear(x[r : r + 1], weight, bias) for r in range(20)])
+    assert torch.equal(alone, full[:20])
+    for m in range(2, 21):
+        assert torch.equal(q4.q4_linear(x[:m], weight, bias), full[:m]), f"M={m}"
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(q4.q4_linear(x[perm], weight, bias), full[perm])
+
+
+@pytest.mark.parametrize("in_features,out_features", [(512, 301), (8960, 22)])
+def test_thread_count_invariance(in_features, out_features):
+    weight = _random_weight(out_features, in_features, seed=9)
+    x, bias = _activations(33, in_features, seed=4)
+    old = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            outputs.append(q4.q4_linear(x, weight, bias[:out_features]))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_rows_restriction_is_bitwise():
+    weight = _random_weight(37, 768, seed=11)
+    x, _ = _activations(5, 768, seed=5)
+    ids = [36, 0, 5, 4, 17, 18, 19, 20, 2]
+    assert torch.equal(q4.q4_linear(x, weight.rows(ids)), q4.q4_linear(x, weight)[:, ids])
+    assert torch.equal(weight.rows(ids).dequantize(), weight.dequantize()[ids])
+
+
+@pytest.mark.parametrize("in_features", [256, 1536, 8960])
+def test_matches_the_dequantized_product(in_features):
+    g = torch.Generator().manual_seed(in_features)
+    weight = q4.quantize_q4(torch.randn(48, in_features, generator=g) * 0.05)
+    x = torch.randn(6, in_features, generator=g)
+    bias = torch.randn(48, generator=g)
+    reference = x @ weight.dequantize().T + bias
+    y = q4.q4_linear(x, weight, bias)
+    assert (y - reference).norm() / reference.norm() < 1e-2
+    # the torch fallback (no activation quantization) agrees as closely
+    fallback = q4.q4_linear_torch(x, weight, bias)
+    assert (fallback - reference).norm() / reference.norm() < 1e-5
+    assert (y - fallback).norm() / fallback.norm() < 1e-2
+
+
+def test_zero_rows_and_leading_dimensions():
+    weight = _random_weight(6, 512, seed=13)
+    assert q4.q4_linear(torch.zeros(0, 512), weight).shape == (0, 6)
+    assert torch.equal(q4.q4_linear(torch.zeros(2, 512), weight), torch.zeros(2, 6))
+    x, _ = _activations(6, 512, seed=6)
+    assert torch.equal(q4.q4_linear(x.view(2, 3, 512), weight).view(6, 6), q4.q4_linear(x, weight))
