@@ -43,7 +43,7 @@ class RotaryTable:
 class Linear:
     """A linear layer in one weight format; call it on activations [rows, in] -> [rows, out] fp32.
 
-    q8: int8 weights with per-row scales, our row-invariant kernel (the default; see docs/performance.md).
+    q8: int8 weights with per-row scales, our row-invariant kernel (the default; see docs/kernels.md).
     fp32: dense fp32 weights and torch's F.linear (reference / parity tests; not row-invariant).
     """
 
