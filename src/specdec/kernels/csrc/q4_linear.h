@@ -94,7 +94,10 @@ torch::Tensor q4_linear(const torch::Tensor& x_in, const torch::Tensor& quants, 
     const int64_t n0 = c * chunk * kQ4Rows, n1 = std::min(N, (c + 1) * chunk * kQ4Rows);
     for (int64_t m0 = 0; m0 < M; m0 += mb) {
       const int64_t m1 = std::min(M, m0 + mb);
-      q4_linear_block_scalar(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
+      if (at_least(isa, Isa::avx512))  // and amx, which has no tile kernel of this layout
+        avx512::q4_linear_block(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
+      else
+        q4_linear_block_scalar(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
     }
   };
   run_chunk_workers(nchunks, [&](std::atomic<int64_t>& next) {
