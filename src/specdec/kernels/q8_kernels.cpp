@@ -15,7 +15,7 @@
 //   csrc/linear_avx2.h     the int8 linear, vnni layout, AVX2 (and again with AVX-VNNI where the CPU has it)
 //   csrc/linear_amx.h      the int8 linear, amx layout (AMX tiles, and AVX-512 VNNI for few rows)
 //   csrc/q4_scalar.h       the 4-bit linear (q4, GGUF Q4_K blocks): its layout, reduction order and scalar path
-//   csrc/q4_avx512.h, q4_walk.h   ... its avx512 path (the amx path runs it too) and the walk of its vector paths
+//   csrc/q4_avx512.h, q4_avx2.h, q4_walk.h   ... its vector paths (the amx path runs the avx512 one), their walk
 //   csrc/linear.h, q4_linear.h, attention.h, rowwise.h   the entry points
 // This file includes them in order (the vector paths inside their own namespace and target) and binds them.
 
@@ -57,6 +57,8 @@ namespace avx2 {
 #include "csrc/vector_kernels.h"
 #include "csrc/linear_avx2.h"
 #include "csrc/linear_walk.h"
+#include "csrc/q4_avx2.h"
+#include "csrc/q4_walk.h"
 }  // namespace avx2
 #pragma GCC pop_options
 

@@ -96,6 +96,8 @@ torch::Tensor q4_linear(const torch::Tensor& x_in, const torch::Tensor& quants, 
       const int64_t m1 = std::min(M, m0 + mb);
       if (at_least(isa, Isa::avx512))  // and amx, which has no tile kernel of this layout
         avx512::q4_linear_block(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
+      else if (isa == Isa::avx2)
+        avx2::q4_linear_block(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
       else
         q4_linear_block_scalar(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
     }
