@@ -292,17 +292,25 @@ def _fit_sub_blocks(x: torch.Tensor, search_steps: int) -> tuple[torch.Tensor, t
     best_min = low
     if search_steps <= 0:
         return torch.where(flat, torch.zeros_like(best_scale), best_scale), -low
-    levels = torch.round((QUANT_MAX / span)[:, None] * (x - low[:, None])).clamp_(0, QUANT_MAX)
-    best_error = (importance * (best_scale[:, None] * levels + low[:, None] - x).pow(2)).sum(dim=1)
+    shifted = x - low[:, None]  # [B, 32], >= 0
     sum_w = importance.sum(dim=1)
     sum_x = (importance * x).sum(dim=1)
-    for step in range(search_steps + 1):
-        inverse_scale = (-1.0 + 0.1 * step + QUANT_MAX) / span
-        levels = torch.round(inverse_scale[:, None] * (x - low[:, None])).clamp_(0, QUANT_MAX)
+    sum_xx = (importance * x * x).sum(dim=1)
+
+    def fit_sums(inverse_scale: torch.Tensor):
+        """The grid's quants and their weighted sums: sum w l, sum w l^2, sum w x l."""
+        levels = torch.round(shifted * inverse_scale[:, None]).clamp_(0, QUANT_MAX)
         weighted_levels = importance * levels
-        sum_l = weighted_levels.sum(dim=1)
-        sum_l2 = (weighted_levels * levels).sum(dim=1)
-        sum_xl = (weighted_levels * x).sum(dim=1)
+        return weighted_levels.sum(dim=1), (weighted_levels * levels).sum(dim=1), (weighted_levels * x).sum(dim=1)
+
+    def weighted_error(scale, minimum, sum_l, sum_l2, sum_xl):
+        """sum w (scale l + minimum - x)^2, expanded into the sums (no pass over the values)."""
+        return (scale * scale * sum_l2 + 2 * scale * minimum * sum_l - 2 * scale * sum_xl + minimum * minimum * sum_w
+                - 2 * minimum * sum_x + sum_xx)
+
+    best_error = weighted_error(best_scale, best_min, *fit_sums(QUANT_MAX / span))
+    for step in range(search_steps + 1):
+        sum_l, sum_l2, sum_xl = fit_sums((-1.0 + 0.1 * step + QUANT_MAX) / span)
         det = sum_w * sum_l2 - sum_l * sum_l
         safe_det = torch.where(det > 0, det, torch.ones_like(det))
         scale = (sum_w * sum_xl - sum_x * sum_l) / safe_det
@@ -310,7 +318,7 @@ def _fit_sub_blocks(x: torch.Tensor, search_steps: int) -> tuple[torch.Tensor, t
         positive_min = minimum > 0
         scale = torch.where(positive_min, sum_xl / torch.where(sum_l2 > 0, sum_l2, torch.ones_like(sum_l2)), scale)
         minimum = torch.where(positive_min, torch.zeros_like(minimum), minimum)
-        error = (importance * (scale[:, None] * levels + minimum[:, None] - x).pow(2)).sum(dim=1)
+        error = weighted_error(scale, minimum, sum_l, sum_l2, sum_xl)
         better = (det > 0) & (error < best_error)
         best_error = torch.where(better, error, best_error)
         best_scale = torch.where(better, scale, best_scale)
