@@ -21,7 +21,8 @@
 // scales sc (one byte each), its nb mins m, then its nb / 8 fp16 d, then its nb / 8 fp16 dmin.
 //
 // Activations: int8 per block of 32 with an fp32 scale (quantize_unit, exactly as q8_linear), in the q8 vnni
-// layout; per lane of every unit, the fp32 scale of its block and the fp32 sum of its int8 values (exact).
+// layout; per lane of every unit, the fp32 scale of its block and the fp32 sum of its int8 values (exact; see
+// quantize_rows_q4 in q4_linear.h).
 //
 // Reduction order of y[m][n] (every path):
 //   fa[16] = 0

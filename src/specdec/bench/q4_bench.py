@@ -1,0 +1,119 @@
+"""Micro-benchmark of the q4 linear against the q8 linear, per kernel path, on model shapes.
+
+    python -m specdec.bench.q4_bench [--threads 2] [--ms 1,2,4,8,16] [--isas avx2,avx512] [--hot]
+
+Per shape (in -> out), kernel path and format: the median wall time of one call at each row count M, T(8)/T(1),
+and the weight bytes per weight. The q4 and q8 calls of one path run interleaved in the same rounds (so that the
+machine's drift affects both alike); by default every call reads its weight from DRAM (copies cycled past the L3),
+as in a decode step. Shapes whose in_features is not a multiple of 256 cannot be q4 (Q4_K's rule) and show q8 only.
+Also: the RMS error of quantize_q4's scale search against a plain min/max grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+
+import torch
+
+from specdec.bench.kernel_bench import _interleaved_median_times, _rotating
+from specdec.kernels import ops, q4
+
+# (model, in_features, out_features)
+SHAPES = [
+    ("Qwen2.5-Coder-1.5B", 1536, 8960),
+    ("Qwen2.5-Coder-1.5B", 8960, 1536),
+    ("Qwen2.5-Coder-1.5B", 1536, 1536),
+    ("Gemma-3-270M", 640, 2048),
+    ("Gemma-3-270M", 2048, 640),
+]
+
+
+def cpu_name() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _formats(weight: torch.Tensor) -> dict:
+    """format name -> (packed weight, linear function); q4 only where in_features allows it."""
+    q8 = ops.quantize_weight(weight, "vnni")
+    formats = {"q8": (q8, ops.q8_linear)}
+    if q4.q4_supports(weight.shape[1]):
+        formats["q4"] = (q4.quantize_q4(weight, search_steps=0), q4.q4_linear)
+    return formats
+
+
+def bench_shape(model: str, in_features: int, out_features: int, isas, ms, cold: bool) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=g) * 0.05
+    formats = _formats(weight)
+    weights = {name: _rotating(packed.clone, packed.nbytes, cold) for name, (packed, _) in formats.items()}
+    inputs = {m: torch.randn(m, in_features, generator=g) for m in ms}
+    lines = []
+    for isa in isas:
+        with ops.forced_isa(isa):
+            calls = {(name, m): (lambda fn=fn, name=name, x=x: fn(x, weights[name]()))
+                     for name, (_, fn) in formats.items() for m, x in inputs.items()}
+            times = _interleaved_median_times(calls)
+        for name, (packed, _) in formats.items():
+            per_m = [times[(name, m)] for m in ms]
+            ratio = times[(name, 8)] / times[(name, ms[0])] if 8 in ms else float("nan")
+            bits = 8.0 * packed.nbytes / (in_features * out_features)
+            speedup = ""
+            if name == "q4":
+                speedup = " ".join(f"{times[('q8', m)] / times[('q4', m)]:5.2f}x" for m in ms)
+            lines.append(f"{model:<19} {in_features:>5}->{out_features:<5} {isa:>6} {name:>3} {bits:5.2f} "
+                         + " ".join(f"{t * 1e3:8.3f}" for t in per_m) + f" {ratio:6.2f}  {speedup}")
+        if "q4" not in formats:
+            lines.append(f"{model:<19} {in_features:>5}->{out_features:<5} {isa:>6}  q4     -  (in_features "
+                         f"{in_features} is not a multiple of 256: the layer stays q8)")
+    return lines
+
+
+def search_error_line() -> str:
+    """RMS error of quantize_q4 with the scale search vs the plain min/max grid, on heavy-tailed weights."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.distributions.StudentT(5.0).sample((512, 1536)) * 0.02
+    weight[:, torch.randint(0, 1536, (12,), generator=g)] *= 6.0
+    rms = weight.pow(2).mean().sqrt().item()
+    errors = {}
+    for steps in (0, 20):
+        quantized = q4.quantize_q4(weight, search_steps=steps)
+        errors[steps] = (quantized.dequantize() - weight).pow(2).mean().sqrt().item()
+    return (f"quantize_q4 RMS error / weight RMS (512 x 1536 Student-t(5) weights, outlier columns): "
+            f"min/max {errors[0] / rms:.4f}, search {errors[20] / rms:.4f} ({errors[20] / errors[0]:.3f}x)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ms", default="1,2,4,8,16")
+    parser.add_argument("--isas", default="", help="kernel paths to compare (default: every vector path the CPU has)")
+    parser.add_argument("--hot", action="store_true", help="reuse one weight copy (it may stay cached)")
+    parser.add_argument("--skip-search-error", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ops.build_kernels()
+    ms = [int(v) for v in args.ms.split(",")]
+    isas = [isa for isa in args.isas.split(",") if isa] or [isa for isa in ops.supported_isas() if isa != "scalar"]
+    mode = "hot (one weight copy)" if args.hot else "cold (weights from DRAM)"
+    print(f"CPU: {cpu_name()}; threads {args.threads}; {mode}; median ms per call")
+    header = (f"{'model':<19} {'in->out':>11} {'path':>6} {'fmt':>3} {'bits':>5} "
+              + " ".join(f"{'M=' + str(m):>8}" for m in ms) + f" {'T8/T1':>6}  q8/q4 time per M")
+    print(header)
+    print("-" * len(header))
+    for model, in_features, out_features in SHAPES:
+        for line in bench_shape(model, in_features, out_features, isas, ms, cold=not args.hot):
+            print(line, flush=True)
+    if not args.skip_search_error:
+        print(search_error_line())
+
+
+if __name__ == "__main__":
+    main()
