@@ -1,5 +1,6 @@
-"""The README's first command: the default model answers the demo prompt (type hints and a docstring), and n-gram speculation gives
-exactly the plain answer (the draft length fixed, so that drafts exist whatever the machine's costs)."""
+"""The README's first command: the default model answers the demo prompt (type hints and a docstring),
+and n-gram speculation gives exactly the plain answer (the draft length fixed, so that drafts exist whatever the
+machine's costs)."""
 import re
 from pathlib import Path
 
