@@ -19,9 +19,14 @@ RESET = "\033[0m"
 
 
 def _add_format_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
+    from specdec.models.layers import WEIGHT_FORMATS
+
+    parser.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
+                        help="auto (default): q4 where the file stores Q4_K (lossless), q8 elsewhere; q4: also "
+                             "quantize fp16/bf16/fp32/Q4_0/Q4_1 layers to 4 bits at load; q8: int8 everywhere; "
+                             "fp32: the reference (not row invariant)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "float32"],
-                        help="KV cache: auto = float16 with q8 weights, float32 with fp32 weights")
+                        help="KV cache: auto = float16 with q4/q8 weights, float32 with fp32 weights")
 
 
 def _add_generate_args(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +80,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.max_model_len, max_num_seqs=1, device=args.device, draft_policy=args.draft_policy)
     print(f"[loaded {args.model} in {time.perf_counter() - started:.1f} s]", file=sys.stderr)
-    announce_kernels(llm.model.device, args.weight_format)
+    announce_kernels(llm.model.device, args.weight_format, linear_bytes=llm.model.linear_bytes())
     plain = None
     if args.compare_plain and llm.spec_config is not None:
         llm.generate(args.prompt, SamplingParams(max_tokens=4), chat=args.chat, speculative=False)  # warm-up
@@ -162,7 +167,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device, **extra)
     app = create_app(llm, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
                                         max_queue=args.max_queue))
-    announce_kernels(llm.model.device, args.weight_format)
+    announce_kernels(llm.model.device, args.weight_format, linear_bytes=llm.model.linear_bytes())
     print(f"[serving {app.state.server.model_name} on http://{args.host}:{args.port}]", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -20,6 +20,7 @@ MAX_DRAFT_BRANCHES = 8
 # num_draft_branches when the config leaves it out: the drafters that grow weighed dynamic trees, cut by the cost
 # model, draft trees (measured: docs/methods.md, token trees); lookups draft chains.
 DEFAULT_DRAFT_BRANCHES = {"draft_model": 4, "eagle": 4}
+DRAFT_WEIGHT_FORMATS = ("auto", "q4", "q8", "fp32")  # models/layers.py: WEIGHT_FORMATS
 DRAFT_POLICIES = ("adaptive", "fixed")  # adaptive: k per step from acceptance and measured costs; fixed: always k
 
 
@@ -130,6 +131,8 @@ class SpeculativeConfig:
           its end-of-sequence tokens, instead of the whole vocabulary (FR-Spec's reduced draft head): each
           draft forward reads fewer weights. Drafts stay verified by the target, so the output is unchanged;
           a sampled draft's distribution is the reduced one. None (default) = the whole vocabulary.
+      weight_format: draft_model only: the draft model's weight format (auto, q4, q8 or fp32); None (default) =
+          the target's.
 
     Our keys (suffix drafter only):
       suffix_max_depth: depth limit of the suffix trie = longest context + draft it can match (>= 1).
@@ -152,6 +155,7 @@ class SpeculativeConfig:
     draft_tree_min_prob: float = 0.05
     draft_prefix_cache_tokens: int = 4096  # Qwen-0.5B: 24.6 KB of keys and values per token
     draft_vocab_size: int | None = None
+    weight_format: str | None = None
 
     def __post_init__(self) -> None:
         self._validate_method_and_model()
@@ -190,6 +194,12 @@ class SpeculativeConfig:
             if self.method != "draft_model":
                 raise ValueError(f"{owner}.draft_vocab_size applies to method 'draft_model' only, not {self.method!r}")
             _require_at_least(owner, "draft_vocab_size", self.draft_vocab_size, 1)
+        if self.weight_format is not None:
+            if self.method != "draft_model":
+                raise ValueError(f"{owner}.weight_format applies to method 'draft_model' only, not {self.method!r}")
+            if self.weight_format not in DRAFT_WEIGHT_FORMATS:
+                raise ValueError(f"{owner}.weight_format must be one of {', '.join(DRAFT_WEIGHT_FORMATS)}, "
+                                 f"got {self.weight_format!r}")
 
     def _validate_method_and_model(self) -> None:
         if not isinstance(self.method, str):

@@ -46,7 +46,7 @@ class LLM:
         self,
         model: str = DEFAULT_MODEL,
         speculative_config: SpeculativeConfig | dict | str | None = None,
-        weight_format: str = "q8",
+        weight_format: str = "auto",
         max_model_len: int = 4096,
         max_num_seqs: int = 8,
         device: str | None = None,

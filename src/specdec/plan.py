@@ -44,7 +44,7 @@ class Hardware:
 
     def peak_flops(self, dtype: str) -> float:
         # int8 tensor cores: 2x BF16; fp32 weights: TF32 tensor cores, half of BF16 (same datasheets)
-        return self.bf16_flops * {"int8": 2.0, "bf16": 1.0, "fp16": 1.0, "fp32": 0.5}[dtype]
+        return self.bf16_flops * {"int4": 2.0, "int8": 2.0, "bf16": 1.0, "fp16": 1.0, "fp32": 0.5}[dtype]
 
     def ridge_point(self, dtype: str) -> float:
         """FLOP per byte where a kernel stops being memory-bound."""
@@ -59,8 +59,10 @@ HARDWARE = {
     "a100": Hardware("A100 SXM", 312e12, 2.0e12,
                      "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense (624 sparse), 2,039 GB/s HBM2e (80 GB SXM)"),
 }
-DTYPE_BYTES = {"int8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
-WEIGHT_FORMAT_DTYPE = {"q8": "int8", "fp32": "fp32"}  # our weight formats: q8 stores int8 weights (+ row scales)
+DTYPE_BYTES = {"int4": 0.5, "int8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+# our weight formats: q8 stores int8 weights (+ row scales), q4 4-bit (+ block scales); auto is mostly q4 on
+# Q4_K files and q8 elsewhere, counted as int8 here (the upper bound)
+WEIGHT_FORMAT_DTYPE = {"auto": "int8", "q4": "int4", "q8": "int8", "fp32": "fp32"}
 MEASURE_BUDGET_S = 60.0  # `--measure`: wall-clock cap of profiling T(n) at every row count and the context costs
 _SI = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 
@@ -314,9 +316,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=None, help="acceptance rate α per draft token (default 0.7)")
     parser.add_argument("--measure", action="store_true", help="profile T(n) here and measure α with a short ngram run")
     parser.add_argument("--draft-cost", type=float, default=0.0, help="drafter cost per proposed token as a fraction of T(B)")
-    parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
+    parser.add_argument("--weight-format", default="auto", choices=list(WEIGHT_FORMAT_DTYPE))
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPE_BYTES), help="weight dtype (default: from --weight-format)")
-    parser.add_argument("--kv-bytes", type=float, default=None, help="bytes per KV-cache element (default 2 on GPUs, 4 here)")
+    parser.add_argument("--kv-bytes", type=float, default=None, help="bytes per KV-cache element (default 2 on GPUs; here the model's cache: 2 beside q4/q8 weights, 4 beside fp32)")
     parser.add_argument("--context", type=int, default=1024, help="cached tokens per sequence (roofline)")
     parser.add_argument("--max-k", type=int, default=16)
     parser.add_argument("--data", default=os.environ.get("SPECDEC_DATA", "/work/shared/data"), help="prompts for --measure")
@@ -353,7 +355,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         alpha = args.alpha if args.alpha is not None else alpha
     if hardware is None:
         ridge, source = measured_ridge()
-        kv_bytes = args.kv_bytes or 4.0  # our CPU KV cache is fp32
+        kv_bytes = args.kv_bytes or model.kv_cache_dtype.itemsize  # fp16 beside q4/q8 weights, fp32 beside fp32
         step_cost = lambda tokens: forward(args.batch * tokens)  # noqa: E731
         where = f"this machine ({source})"
     else:

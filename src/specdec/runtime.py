@@ -6,6 +6,7 @@ import os
 import torch
 
 from specdec.models.catalog import resolve_model
+from specdec.models.layers import check_weight_format
 from specdec.models.loader import load_checkpoint
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
@@ -22,8 +23,10 @@ def configure_threads(num_threads: int | None = None) -> int:
     return threads
 
 
-def load_model(name_or_path: str, weight_format: str = "q8", device: torch.device | str = "cpu") -> tuple[Transformer, Tokenizer]:
-    checkpoint = load_checkpoint(resolve_model(name_or_path))
+def load_model(name_or_path: str, weight_format: str = "auto", device: torch.device | str = "cpu") -> tuple[Transformer, Tokenizer]:
+    """weight_format: auto (q4 where the file stores Q4_K, q8 elsewhere), q4, q8 or fp32 (models/layers.py)."""
+    check_weight_format(weight_format)
+    checkpoint = load_checkpoint(resolve_model(name_or_path), keep_q4k_bytes=weight_format in ("auto", "q4"))
     model = Transformer(checkpoint.config, checkpoint.tensors, weight_format=weight_format, device=device,
-                        source=str(name_or_path))
+                        source=str(name_or_path), storage=checkpoint.storage)
     return model, checkpoint.tokenizer

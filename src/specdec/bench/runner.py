@@ -49,7 +49,7 @@ class BenchOptions:
     peers: list[str] = field(default_factory=list)
     categories: list[str] | None = None
     threads: int | None = None
-    weight_format: str = "q8"
+    weight_format: str = "auto"
     draft_policy: str = "adaptive"
     max_model_len: int = 4096
     device: str | None = None
@@ -88,7 +88,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", action="append", default=[], choices=["transformers", "llama-cpp", "vllm"],
                         help="also run a peer engine (repeatable)")
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
+    parser.add_argument("--weight-format", default="auto", choices=["auto", "q4", "q8", "fp32"])
     parser.add_argument("--draft-policy", default="adaptive", choices=DRAFT_POLICIES,
                         help="adaptive: k per step from acceptance and measured costs; fixed: always the method's k")
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -122,7 +122,7 @@ def run_bench(options: BenchOptions, argv: list[str] | None = None) -> int:
     device = options.device or str(default_device())
     loaded = load_model(options.model, options.weight_format, device)
     load_s = time.perf_counter() - started
-    kernels = announce_kernels(device, options.weight_format)
+    kernels = announce_kernels(device, options.weight_format, linear_bytes=loaded[0].linear_bytes())
     peer_runners = _build_peer_runners(options, peers, specs, loaded[1], threads)
     records, runner_descriptions = _run_rounds(options, questions, specs, loaded, peer_runners)
     mismatches = check_lossless(records)

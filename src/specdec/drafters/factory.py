@@ -43,7 +43,7 @@ def _build_draft_model(config, target: Transformer, tokenizer: Tokenizer, weight
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.runtime import load_model
 
-    draft, draft_tokenizer = load_model(config.model, weight_format, target.device)
+    draft, draft_tokenizer = load_model(config.model, config.weight_format or weight_format, target.device)
     check_same_vocabulary(tokenizer, draft_tokenizer, target.config.vocab_size, draft.config.vocab_size)
     if draft.config.num_parameters >= target.config.num_parameters:
         warnings.warn(
@@ -93,7 +93,10 @@ def build_head_drafter(method: str, path: str, target: Transformer, max_model_le
     head.load_state_dict(head_file.state)
     head.to(target.device)
     parts = TargetParts.from_target(target, head_file.draft_token_ids)
+    # The head's frozen drafting copies: q8 beside any quantized target (a head's layers are small; q4 would
+    # quantize them again), fp32 beside fp32.
+    head_format = "fp32" if target.weight_format == "fp32" else "q8"
     if method == "eagle":
-        return EagleDrafter(head, parts, target.config.vocab_size, max_num_seqs, max_model_len, target.weight_format,
+        return EagleDrafter(head, parts, target.config.vocab_size, max_num_seqs, max_model_len, head_format,
                             num_branches, min_branch_prob)
-    return MedusaDrafter(head, parts, target.config.vocab_size, target.weight_format)
+    return MedusaDrafter(head, parts, target.config.vocab_size, head_format)

@@ -67,7 +67,7 @@ class TargetParts:
         """The draft lm_head rows as a frozen Linear in weight_format, for drafting: the target's own rows, bit for
         bit (`Linear.rows`), when its output layer is in that format; else the fp32 rows built in it."""
         source = self.lm_head_source
-        if source is not None and (source.quantized is not None) == (weight_format == "q8"):
+        if source is not None and source.format == weight_format:
             return source.rows(self.draft_token_ids)
         return Linear.build(self.draft_lm_head, None, weight_format)
 

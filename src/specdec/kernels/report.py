@@ -30,7 +30,7 @@ CUDA_COST = ("the torch fallback is not row invariant: speculative greedy output
 class KernelReport:
     isa: str  # the path kernel calls run: "amx" | "avx512" | "avx2" | "scalar" | "torch" (the fallback)
     supported: tuple[str, ...]  # the paths this CPU runs, slowest first; () without the compiled kernels
-    weights: str  # "q8 vnni layout", "q8 amx layout" or "fp32"
+    weights: str  # "q8 vnni layout", "q8 amx layout", "fp32", or a mix: "auto: q4 612 MB + q8 vnni layout 530 MB"
     threads: int  # torch's intra-op threads, which the kernels share
     build: str  # ops.kernel_build_id(): "q8-<digest>-<isa>" or "torch"
     reason: str | None = None  # why only the scalar path or the fallback runs; None on a SIMD path
@@ -51,12 +51,27 @@ class KernelReport:
                 "kernel_threads": self.threads, "kernel_build": self.build, "kernel_warning": self.warning}
 
 
-def kernel_report(device: torch.device | str = "cpu", weight_format: str = "q8") -> KernelReport:
-    """The kernel path that runs a model on ``device`` with ``weight_format`` weights in this process."""
+def describe_weights(weight_format: str, linear_bytes: dict[str, int] | None = None) -> str:
+    """What the linears run as: "q8 vnni layout", or per format its bytes ("auto: q4 612 MB + q8 vnni layout
+    530 MB") when ``linear_bytes`` (Transformer.linear_bytes()) is given."""
+    labels = {"q8": f"q8 {ops.default_q8_layout()} layout", "q4": "q4", "fp32": "fp32"}
+    if not linear_bytes:
+        return labels.get(weight_format, weight_format)
+    if len(linear_bytes) == 1:
+        only = next(iter(linear_bytes))
+        return labels.get(only, only)
+    parts = " + ".join(f"{labels.get(name, name)} {nbytes / 1e6:.0f} MB" for name, nbytes in sorted(linear_bytes.items()))
+    return f"{weight_format}: {parts}"
+
+
+def kernel_report(device: torch.device | str = "cpu", weight_format: str = "q8",
+                  linear_bytes: dict[str, int] | None = None) -> KernelReport:
+    """The kernel path that runs a model on ``device`` with ``weight_format`` weights in this process;
+    linear_bytes: the model's bytes per resolved format (Transformer.linear_bytes())."""
     on_cuda = torch.device(device).type != "cpu"
     isa = "torch" if on_cuda else ops.kernel_isa()
     supported = ops.supported_isas()
-    weights = f"q8 {ops.default_q8_layout()} layout" if weight_format == "q8" else weight_format
+    weights = describe_weights(weight_format, linear_bytes)
     reason, cost = _why_slow(isa, supported, on_cuda)
     return KernelReport(isa, supported, weights, torch.get_num_threads(), "torch" if on_cuda else ops.kernel_build_id(),
                         reason, cost)
@@ -86,9 +101,9 @@ def _why_torch() -> str:
 
 
 def announce_kernels(device: torch.device | str = "cpu", weight_format: str = "q8",
-                     file: TextIO | None = None) -> KernelReport:
+                     file: TextIO | None = None, linear_bytes: dict[str, int] | None = None) -> KernelReport:
     """Prints the report's line on stderr (or ``file``), and its warning on the next line when a slow path runs."""
-    report = kernel_report(device, weight_format)
+    report = kernel_report(device, weight_format, linear_bytes)
     out = file or sys.stderr
     print(report.line(), file=out, flush=True)
     if report.warning is not None:

@@ -7,14 +7,50 @@ it is decoded alone, verified in a block of draft tokens, or batched with other 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from specdec.kernels import QuantizedWeight, embedding, q8_linear, quantize_weight
+from specdec.kernels.q4 import Q4Weight, q4_from_q4k_blocks, q4_linear, q4_supports, quantize_q4
 
-WEIGHT_FORMATS = ("q8", "fp32")
+# auto: q4 where the file stores a layer as Q4_K (lossless, half q8's bytes), q8 elsewhere (the default; see
+#       docs/kernels.md, "Weight formats").
+# q4:   also quantizes to 4 bits at load what the file stores as fp32 / fp16 / bf16 / Q4_0 / Q4_1.
+# q8:   every layer int8.   fp32: the reference (torch's matmul, not row invariant).
+WEIGHT_FORMATS = ("auto", "q4", "q8", "fp32")
+Q4_LOSSLESS_STORAGE = frozenset({"Q4_K"})
+Q4_QUANTIZED_STORAGE = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1"})
+
+
+def check_weight_format(weight_format: str) -> None:
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+
+
+@dataclass(frozen=True)
+class TensorStorage:
+    """How a checkpoint stored its tensors: the storage type per canonical name ("Q4_K", "Q6_K", "F16", "BF16",
+    ...; absent = fp32) and the raw bytes of its Q4_K tensors ([out, in/256 * 144] uint8), which q4 loads
+    losslessly."""
+
+    types: dict[str, str] = field(default_factory=dict)
+    q4k_bytes: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def linear_format(self, names: list[str], in_features: int, weight_format: str) -> str:
+        """The format ("q4", "q8" or "fp32") of a linear made of the row-concatenated tensors ``names``."""
+        check_weight_format(weight_format)
+        if weight_format in ("q8", "fp32"):
+            return weight_format
+        if not q4_supports(in_features):
+            return "q8"
+        storage = {self.types.get(name, "F32") for name in names}
+        if storage <= Q4_LOSSLESS_STORAGE and all(name in self.q4k_bytes for name in names):
+            return "q4"
+        if weight_format == "q4" and storage <= Q4_QUANTIZED_STORAGE:
+            return "q4"
+        return "q8"
 
 
 class RotaryTable:
@@ -43,27 +79,46 @@ class RotaryTable:
 class Linear:
     """A linear layer in one weight format; call it on activations [rows, in] -> [rows, out] fp32.
 
-    q8: int8 weights with per-row scales, our row-invariant kernel (the default; see docs/kernels.md).
+    q8: int8 weights with per-row scales, our row-invariant kernel (see docs/kernels.md).
+    q4: GGUF Q4_K's 4-bit blocks, our row-invariant kernel (kernels/q4.py).
     fp32: dense fp32 weights and torch's F.linear (reference / parity tests; not row-invariant).
+    Exactly one of dense, quantized and q4 is set.
     """
 
     dense: torch.Tensor | None  # [out, in] fp32, fp32 format only
     quantized: QuantizedWeight | None  # q8 format only
     bias: torch.Tensor | None  # [out] fp32
+    q4: Q4Weight | None = None  # q4 format only
 
     @classmethod
-    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str) -> "Linear":
+    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str,
+              q4k_bytes: torch.Tensor | None = None) -> "Linear":
+        """weight [out, in] in "q8", "q4" or "fp32" (a resolved format, see TensorStorage.linear_format); q4 from
+        ``q4k_bytes`` (the file's Q4_K bytes of this weight, lossless) when given, else quantized from weight."""
         if weight_format == "q8":
             return cls(dense=None, quantized=quantize_weight(weight), bias=bias)
+        if weight_format == "q4":
+            out_features, in_features = weight.shape
+            q4 = (q4_from_q4k_blocks(q4k_bytes, out_features, in_features) if q4k_bytes is not None
+                  else quantize_q4(weight))
+            return cls(dense=None, quantized=None, bias=bias, q4=q4)
         if weight_format == "fp32":
             return cls(dense=weight.float().contiguous(), quantized=None, bias=bias)
-        raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+        raise ValueError(f"unknown linear format {weight_format!r}; choose one of q8, q4, fp32")
+
+    @property
+    def format(self) -> str:
+        return "q4" if self.q4 is not None else "q8" if self.quantized is not None else "fp32"
 
     @property
     def out_features(self) -> int:
+        if self.q4 is not None:
+            return self.q4.out_features
         return self.dense.shape[0] if self.dense is not None else self.quantized.scale.shape[0]
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.q4 is not None:
+            return q4_linear(inputs, self.q4, self.bias)
         if self.quantized is not None:
             return q8_linear(inputs, self.quantized, self.bias)
         return F.linear(inputs, self.dense, self.bias)
@@ -72,6 +127,8 @@ class Linear:
         """The layer restricted to some output rows, bit for bit the same weights: row_ids [n] -> [rows n, in]."""
         row_ids = row_ids.to(dtype=torch.long)
         bias = None if self.bias is None else self.bias[row_ids]
+        if self.q4 is not None:
+            return Linear(dense=None, quantized=None, bias=bias, q4=self.q4.rows(row_ids))
         if self.quantized is not None:
             weight = self.quantized
             rows = QuantizedWeight.from_int8(weight.int8(row_ids), weight.scale.index_select(0, row_ids.to(weight.scale.device)),
@@ -80,12 +137,17 @@ class Linear:
         return Linear(dense=self.dense[row_ids].contiguous(), quantized=None, bias=bias)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the weight as an embedding table: token_ids [n] -> [n, in] fp32."""
+        """Rows of the weight as an embedding table: token_ids [n] -> [n, in] fp32 (q8 and fp32 only: embedding
+        tables are kept at q8 under q4)."""
+        if self.q4 is not None:
+            raise ValueError("a q4 linear is not an embedding table (embeddings are built at q8)")
         if self.quantized is not None:
             return embedding(token_ids, self.quantized)
         return self.dense[token_ids]
 
     def nbytes(self) -> int:
+        if self.q4 is not None:
+            return self.q4.nbytes
         if self.dense is not None:
             return self.dense.numel() * self.dense.element_size()
         return self.quantized.nbytes

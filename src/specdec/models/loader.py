@@ -22,7 +22,7 @@ import os
 import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from specdec.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from specdec.models.layers import TensorStorage
 from specdec.models.tokenizer import Tokenizer
 
 
@@ -42,16 +43,20 @@ class Checkpoint:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]  # canonical name -> fp32 tensor
     tokenizer: Tokenizer
+    storage: TensorStorage = field(default_factory=TensorStorage)  # how the file stored them
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Load a ``.gguf`` file or a Hugging Face directory (config.json + *.safetensors + tokenizer.json)."""
+def load_checkpoint(path: str | os.PathLike[str], keep_q4k_bytes: bool = False) -> Checkpoint:
+    """Load a ``.gguf`` file or a Hugging Face directory (config.json + *.safetensors + tokenizer.json).
+
+    keep_q4k_bytes: also keep a GGUF's Q4_K tensors as their raw bytes (``checkpoint.storage``), from which the
+    q4 format loads them losslessly."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"no such model file or directory: {path}")
     if path.is_dir():
         return load_hf_dir(path)
-    return load_gguf(path)
+    return load_gguf(path, keep_q4k_bytes)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -85,8 +90,9 @@ GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
-def load_gguf(path: str | os.PathLike[str]) -> Checkpoint:
-    """Load a GGUF file: config from its metadata, fp32 tensors in canonical names, its tokenizer."""
+def load_gguf(path: str | os.PathLike[str], keep_q4k_bytes: bool = False) -> Checkpoint:
+    """Load a GGUF file: config from its metadata, fp32 tensors in canonical names, its tokenizer, and how the
+    file stored each tensor (with the raw bytes of its Q4_K tensors when ``keep_q4k_bytes``)."""
     path = Path(path).expanduser()
     gguf_file = read_gguf_file(path)
     metadata = _GGUFMetadata(gguf_file.metadata, path)
@@ -95,7 +101,23 @@ def load_gguf(path: str | os.PathLike[str]) -> Checkpoint:
     tokenizer = _gguf_tokenizer(gguf_file.metadata, path)
     tensors = _load_gguf_tensors(gguf_file, config, path)
     _check_tensor_set(tensors, config, path)
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer)
+    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer,
+                      storage=_gguf_storage(gguf_file, config, path, keep_q4k_bytes))
+
+
+def _gguf_storage(gguf_file: GGUFFile, config: ModelConfig, path: Path, keep_q4k_bytes: bool) -> TensorStorage:
+    """Each tensor's GGUF type, and (keep_q4k_bytes) a copy of the bytes of every 2-D Q4_K tensor, [out, bytes]
+    uint8, with llama's q/k rows unpermuted as the fp32 tensors are (a row permutation: lossless on blocks)."""
+    storage = TensorStorage()
+    for info in gguf_file.tensors:
+        name = _canonical_gguf_name(info.name, path)
+        type_name = _ggml_type_name(info.ggml_type)
+        storage.types[name] = type_name
+        if keep_q4k_bytes and type_name == "Q4_K" and len(info.shape) == 2:
+            storage.q4k_bytes[name] = torch.from_numpy(np.array(gguf_file.tensor_bytes(info)))  # [out, in/256*144]
+    if config.architecture == "llama":
+        _unpermute_llama_qk(storage.q4k_bytes, config)
+    return storage
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
@@ -669,9 +691,10 @@ def load_hf_dir(path: str | os.PathLike[str]) -> Checkpoint:
     hf_config = hf_config.get("text_config", hf_config) if hf_config.get("model_type") == "gemma3" else hf_config
     config = _hf_config(hf_config, path)
     raw = _read_safetensors(path)
-    tensors = _canonical_hf_tensors(raw, config, path)
+    storage = TensorStorage()
+    tensors = _canonical_hf_tensors(raw, config, path, storage)
     _check_tensor_set(tensors, config, path)
-    return Checkpoint(config=config, tensors=tensors, tokenizer=_hf_tokenizer(path))
+    return Checkpoint(config=config, tensors=tensors, tokenizer=_hf_tokenizer(path), storage=storage)
 
 
 def _hf_config(hf: dict[str, Any], path: Path) -> ModelConfig:
@@ -762,10 +785,16 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return raw
 
 
-def _canonical_hf_tensors(raw: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+_SAFETENSORS_STORAGE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def _canonical_hf_tensors(raw: dict[str, torch.Tensor], config: ModelConfig, path: Path,
+                          storage: TensorStorage | None = None) -> dict[str, torch.Tensor]:
+    """Canonical fp32 tensors; ``storage.types`` gets each one's dtype in the file (F32, F16, BF16)."""
     is_gemma = config.architecture == "gemma3"
     tensors: dict[str, torch.Tensor] = {}
     for hf_name in list(raw):
+        stored_dtype = raw[hf_name].dtype
         value = raw.pop(hf_name).to(torch.float32)  # pop: free the original dtype copy as we go
         name = _canonical_hf_name(hf_name, is_gemma)
         if name is None:
@@ -775,6 +804,8 @@ def _canonical_hf_tensors(raw: dict[str, torch.Tensor], config: ModelConfig, pat
         if is_gemma and _is_norm(name):
             value = value + GEMMA_NORM_OFFSET
         tensors[name] = value.contiguous()
+        if storage is not None:
+            storage.types[name] = _SAFETENSORS_STORAGE.get(stored_dtype, str(stored_dtype))
     if config.tie_word_embeddings:
         tensors.pop("lm_head", None)
     return tensors

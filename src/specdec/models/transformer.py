@@ -13,7 +13,7 @@ import torch
 from specdec.models.batch import ForwardBatch
 from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
 from specdec.models.config import ModelConfig
-from specdec.models.layers import Linear, RotaryTable
+from specdec.models.layers import Linear, RotaryTable, TensorStorage, check_weight_format
 
 if TYPE_CHECKING:  # the cache is the layer above: the model only writes and reads the one it is given
     from specdec.cache.kv_cache import KVCache
@@ -50,18 +50,31 @@ def _optional(tensors: dict[str, torch.Tensor], name: str, device: torch.device)
     return None if tensor is None else tensor.float().to(device)
 
 
-def _build_layer(config: ModelConfig, tensors: dict[str, torch.Tensor], index: int, weight_format: str, device) -> DecoderLayer:
+def _linear(tensors: dict[str, torch.Tensor], storage: TensorStorage, names: list[str], bias: torch.Tensor | None,
+            weight_format: str, device) -> Linear:
+    """One linear of the row-concatenated tensors ``names``, in the format ``storage`` resolves for them."""
+    weight = torch.cat([tensors[name].float().to(device) for name in names])  # [out, in]
+    linear_format = storage.linear_format(names, weight.shape[1], weight_format)
+    q4k_bytes = None
+    if linear_format == "q4" and all(name in storage.q4k_bytes for name in names):
+        q4k_bytes = torch.cat([storage.q4k_bytes[name] for name in names])  # [out, in/256 * 144] uint8
+    return Linear.build(weight, bias, linear_format, q4k_bytes)
+
+
+def _build_layer(config: ModelConfig, tensors: dict[str, torch.Tensor], storage: TensorStorage, index: int,
+                 weight_format: str, device) -> DecoderLayer:
     prefix = f"layers.{index}."
     take = lambda name: tensors[prefix + name].float().to(device)  # noqa: E731
-    qkv_weight = torch.cat([take("q_proj"), take("k_proj"), take("v_proj")])
+    linear = lambda leaves, bias=None: _linear(tensors, storage, [prefix + leaf for leaf in leaves], bias,  # noqa: E731
+                                               weight_format, device)
     qkv_bias = torch.cat([take("q_proj.bias"), take("k_proj.bias"), take("v_proj.bias")]) if config.qkv_bias else None
     return DecoderLayer(
         attn_norm=take("attn_norm"),
-        qkv_proj=Linear.build(qkv_weight, qkv_bias, weight_format),
-        o_proj=Linear.build(take("o_proj"), None, weight_format),
+        qkv_proj=linear(["q_proj", "k_proj", "v_proj"], qkv_bias),
+        o_proj=linear(["o_proj"]),
         ffn_norm=take("ffn_norm"),
-        gate_up_proj=Linear.build(torch.cat([take("gate_proj"), take("up_proj")]), None, weight_format),
-        down_proj=Linear.build(take("down_proj"), None, weight_format),
+        gate_up_proj=linear(["gate_proj", "up_proj"]),
+        down_proj=linear(["down_proj"]),
         q_norm=_optional(tensors, prefix + "q_norm", device) if config.qk_norm else None,
         k_norm=_optional(tensors, prefix + "k_norm", device) if config.qk_norm else None,
         post_attn_norm=_optional(tensors, prefix + "post_attn_norm", device) if config.post_norms else None,
@@ -72,10 +85,14 @@ def _build_layer(config: ModelConfig, tensors: dict[str, torch.Tensor], index: i
 class Transformer:
     """Forward pass over a ForwardBatch with a KVCache; returns logits of the requested rows."""
 
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], weight_format: str = "q8", device="cpu",
-                 source: str = "") -> None:
-        """source: the catalogue name or path the weights came from ("" for models built in memory); it keys
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], weight_format: str = "auto", device="cpu",
+                 source: str = "", storage: TensorStorage | None = None) -> None:
+        """weight_format: auto, q4, q8 or fp32 (models/layers.py: WEIGHT_FORMATS); storage: how the file stored the
+        tensors (its Q4_K bytes load losslessly as q4; none: every tensor counts as fp32, so auto means q8).
+        source: the catalogue name or path the weights came from ("" for models built in memory); it keys
         the measured cost profile of this model (engine/cost_model.py)."""
+        check_weight_format(weight_format)
+        storage = storage or TensorStorage()
         self.config = config
         self.source = source
         self.weight_format = weight_format
@@ -84,11 +101,13 @@ class Transformer:
         if missing:
             raise ValueError(f"checkpoint lacks tensors required by {config.architecture}: {', '.join(missing[:8])}")
         embed = tensors["embed_tokens"].float().to(self.device)
-        self.embed_tokens = Linear.build(embed, None, weight_format)
-        lm_head = tensors.get("lm_head")
-        self.lm_head = self.embed_tokens if lm_head is None else Linear.build(lm_head.float().to(self.device), None, weight_format)
+        # The embedding table is a gather, not a weight stream: q8 under q4 (and the lm_head it is tied to).
+        self.embed_tokens = Linear.build(embed, None, "fp32" if weight_format == "fp32" else "q8")
+        self.lm_head = (self.embed_tokens if "lm_head" not in tensors
+                        else _linear(tensors, storage, ["lm_head"], None, weight_format, self.device))
         self.norm = tensors["norm"].float().to(self.device)
-        self.layers = [_build_layer(config, tensors, i, weight_format, self.device) for i in range(config.num_layers)]
+        self.layers = [_build_layer(config, tensors, storage, i, weight_format, self.device)
+                       for i in range(config.num_layers)]
         thetas = {config.layer_rope_theta(i) for i in range(config.num_layers)}
         self.rotary = {theta: RotaryTable(config.head_dim, theta, self.device) for theta in thetas}
         self.qk_shape = QKNormRope(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
@@ -116,7 +135,17 @@ class Transformer:
         """The KV cache dtype this model runs with by default: fp16 beside int8 weights (half the cache's memory
         and reads; keys/values are rounded once when written, far below the int8 weights' own error), fp32 beside
         fp32 weights (the reference format, for parity with HF transformers)."""
-        return torch.float16 if self.weight_format == "q8" else torch.float32
+        return torch.float32 if self.weight_format == "fp32" else torch.float16
+
+    def linear_bytes(self) -> dict[str, int]:
+        """Bytes of the linears (embedding table included) per format they run in: {"q4": ..., "q8": ...}."""
+        linears = [self.embed_tokens] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
+        for layer in self.layers:
+            linears += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+        totals: dict[str, int] = {}
+        for linear in linears:
+            totals[linear.format] = totals.get(linear.format, 0) + linear.nbytes()
+        return totals
 
     @property
     def weight_nbytes(self) -> int:

@@ -56,7 +56,8 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = ServerMetrics()
         self.loop = EngineLoop(self.engine, self.metrics, config.max_queue)
-        self.kernels = kernel_report(getattr(llm.model, "device", "cpu"), getattr(llm.model, "weight_format", "q8"))
+        self.kernels = kernel_report(getattr(llm.model, "device", "cpu"), getattr(llm.model, "weight_format", "q8"),
+                                     llm.model.linear_bytes() if hasattr(llm.model, "linear_bytes") else None)
 
     # ---- checks -----------------------------------------------------------------------------------------
     def check_api_key(self, request: Request) -> None:

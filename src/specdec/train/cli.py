@@ -58,7 +58,7 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
                         "of random ones; a checkpoint of --out, when there is one, still takes precedence")
     parser.add_argument("--features-dir", default=None, help="feature cache (default: beside --out, shared by methods)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--weight-format", default="q8", choices=["q8", "fp32"])
+    parser.add_argument("--weight-format", default="auto", choices=["auto", "q4", "q8", "fp32"])
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default=None)
 
