@@ -1,0 +1,114 @@
+"""Models in the q4 weight format: which layers are q4, bitwise row invariance (alone / in a verify block /
+beside other sequences), and greedy speculation identical to plain decoding for every drafter, batch 1 and > 1.
+The tiny models here have widths that are multiples of 256, so that every layer linear can be q4; the real
+Q4_K files are covered by tests/real (the default format, auto, runs their Q4_K layers as q4)."""
+import pytest
+import torch
+
+from specdec.cache.kv_cache import KVCache
+from specdec.config import SamplingParams
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.suffix import SuffixDrafter
+from specdec.engine.engine import Engine
+from specdec.models.batch import ForwardBatch
+from specdec.models.layers import TensorStorage, check_weight_format
+
+ARCHITECTURES = ("llama", "qwen2", "gemma3")
+Q4_WIDTHS = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
+TOKENS = [5, 17, 42, 99, 3, 250, 77, 12, 8, 130, 64, 201, 33, 7, 180, 91, 45, 2, 160, 222]
+PROMPTS = [
+    [5, 17, 42, 5, 17, 42, 5, 17],
+    [99, 3, 250, 77, 12, 8, 130, 64, 201, 99, 3, 250, 77],
+    [33, 34],
+]
+
+
+def q4_model(make_tiny_model, architecture, seed=0):
+    overrides = dict(Q4_WIDTHS, attention_scale=64**-0.5) if architecture == "gemma3" else Q4_WIDTHS
+    return make_tiny_model(architecture, seed=seed, weight_format="q4", **overrides)
+
+
+def forward(model, cache, token_lists, starts, slots, all_logits=True):
+    return model.forward(ForwardBatch.build(token_lists, starts, slots, all_logits=all_logits), cache)
+
+
+def test_linear_format_rules():
+    storage = TensorStorage(types={"a": "Q4_K", "b": "Q4_K", "c": "Q6_K", "d": "F16", "e": "Q5_0"},
+                            q4k_bytes={"a": torch.zeros(1), "b": torch.zeros(1)})
+    assert storage.linear_format(["a", "b"], 512, "auto") == "q4"  # Q4_K: lossless
+    assert storage.linear_format(["a", "c"], 512, "auto") == "q8"  # a Q6_K part keeps the fused linear at q8
+    assert storage.linear_format(["d"], 512, "auto") == "q8"  # auto never quantizes to 4 bits at load
+    assert storage.linear_format(["d"], 512, "q4") == "q4"  # q4 does (fp16)
+    assert storage.linear_format(["e"], 512, "q4") == "q8"  # Q5_0 is finer than q4: kept at q8
+    assert storage.linear_format(["a"], 640, "auto") == "q8"  # in_features not a multiple of 256
+    assert storage.linear_format(["a"], 512, "q8") == "q8"
+    assert storage.linear_format(["a"], 512, "fp32") == "fp32"
+    with pytest.raises(ValueError, match="unknown weight format 'q3'; choose one of auto, q4, q8, fp32"):
+        check_weight_format("q3")
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_every_layer_linear_is_q4_and_embeddings_q8(make_tiny_model, architecture):
+    model = q4_model(make_tiny_model, architecture)
+    for layer in model.layers:
+        assert {layer.qkv_proj.format, layer.o_proj.format, layer.gate_up_proj.format, layer.down_proj.format} == {"q4"}
+    assert model.embed_tokens.format == "q8"
+    assert model.lm_head.format == ("q8" if model.config.tie_word_embeddings else "q4")
+    assert set(model.linear_bytes()) == {"q4", "q8"}
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("block", [2, 5, 8, 16])
+def test_q4_block_logits_bitwise_equal_token_by_token(make_tiny_model, architecture, block):
+    model = q4_model(make_tiny_model, architecture)
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
+    reference = torch.cat([forward(model, cache, [[token]], [i], [0]) for i, token in enumerate(TOKENS)])
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
+    prefix = len(TOKENS) - block
+    forward(model, cache, [TOKENS[:prefix]], [0], [0], all_logits=False)
+    assert torch.equal(forward(model, cache, [TOKENS[prefix:]], [prefix], [0]), reference[prefix:])
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_q4_logits_bitwise_equal_beside_other_sequences(make_tiny_model, architecture):
+    model = q4_model(make_tiny_model, architecture)
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
+    reference = torch.cat([forward(model, cache, [[token]], [i], [0]) for i, token in enumerate(TOKENS)])
+    other = [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12, 13]
+    cache = KVCache(model.config, 3, 64, dtype=model.kv_cache_dtype)
+    forward(model, cache, [TOKENS[:12], other[:5], other], [0, 0, 0], [1, 0, 2], all_logits=False)
+    logits = forward(model, cache, [other[5:8], TOKENS[12:16], [77]], [5, 12, 12], [0, 1, 2])
+    assert torch.equal(logits[3:7], reference[12:16])
+
+
+def _drafter(method, make_tiny_model, architecture):
+    if method == "ngram":
+        return NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1)
+    if method == "suffix":
+        return SuffixDrafter(max_depth=16, min_token_prob=0.05, cache_requests=8)
+    draft = q4_model(make_tiny_model, architecture, seed=0 if method == "draft_model_same" else 1)
+    return DraftModelDrafter(draft, max_num_seqs=4, max_model_len=256)
+
+
+def _run(model, tokenizer, prompts, drafter=None):
+    engine = Engine(model, tokenizer, max_num_seqs=4, max_model_len=256, drafter=drafter,
+                    num_speculative_tokens=4 if drafter else 0)
+    seqs = [engine.add_request(prompt, SamplingParams(max_tokens=40)) for prompt in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [seq.output_token_ids for seq in seqs], engine.metrics
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "draft_model_same"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_q4_greedy_speculation_identical_to_plain(make_tiny_model, tiny_tokenizer, architecture, method, batch):
+    model = q4_model(make_tiny_model, architecture)
+    prompts = PROMPTS[:batch] if batch > 1 else [PROMPTS[1]]
+    plain, _ = _run(model, tiny_tokenizer, prompts)
+    speculative, metrics = _run(model, tiny_tokenizer, prompts, _drafter(method, make_tiny_model, architecture))
+    assert speculative == plain
+    assert metrics.drafted_tokens > 0
+    if method == "draft_model_same":
+        assert metrics.acceptance_rate == 1.0
