@@ -1,13 +1,17 @@
-"""The kernel paths side by side, in one process, with llama.cpp's llama-bench on the same GGUF in the same run.
+"""The kernel paths and weight formats side by side, in one process, with llama.cpp on the same GGUF in the same run.
 
-    python -m specdec.bench.isa_bench --models gemma-3-270m --isas avx2,avx512 [--llama-bench PATH] [--threads 2]
+    python -m specdec.bench.isa_bench --models gemma-3-270m --isas avx2,avx512 [--weight-formats auto,q8]
+        [--llama-bench PATH | --llama-cpp] [--threads 2]
 
 For each model and each kernel path this CPU runs (`--isas`, default all but scalar): plain greedy decode tok/s
 (128 tokens), prefill tok/s of a ~1000-token prompt, and the cost of one forward of 1 and of 8 new tokens after
 256 cached tokens (T(1), T(8), their ratio). The paths alternate within each of `--rounds` rounds (each in turn
 first) and the table gives medians, so a machine's slow minutes fall on every path alike. With `--llama-bench`, llama.cpp's
 `llama-bench -t THREADS -p 0 -n 128` (decode) and `-p 1024 -n 0` (prefill) on the model's GGUF follow each round.
-The weights are packed once in the layout of the first path (the "amx" layout only when it is "amx").
+`--llama-cpp` measures llama.cpp through llama-cpp-python in this process instead (the same decode prompt's
+token ids, greedy, 128 tokens; the same prefill tokens). Each weight format (`--weight-formats`, default the
+default, auto) is a model of its own; the weights are packed once in the layout of the first path (the "amx"
+layout only when it is "amx").
 """
 from __future__ import annotations
 
@@ -40,6 +44,12 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def prefill_token_ids(llm: LLM) -> list[int]:
+    """About 1000 tokens of the repeated passage."""
+    words = (PASSAGE.split() * (PREFILL_WORDS // len(PASSAGE.split()) + 1))[:PREFILL_WORDS]
+    return llm.tokenizer.encode(" ".join(words))
+
+
 def measure_path(llm: LLM, max_tokens: int) -> dict[str, float]:
     """One round of one kernel path: decode, prefill and the forward costs."""
     decode_ids = llm.encode_prompt(DECODE_PROMPT, chat=True)
@@ -49,8 +59,7 @@ def measure_path(llm: LLM, max_tokens: int) -> dict[str, float]:
     llm.generate([decode_ids], SamplingParams(max_tokens=1, ignore_eos=True))
     first_token_s = time.perf_counter() - start
     decode_tok_s = (len(result.token_ids) - 1) / (result.elapsed_s - first_token_s)
-    words = (PASSAGE.split() * (PREFILL_WORDS // len(PASSAGE.split()) + 1))[:PREFILL_WORDS]
-    prefill_ids = llm.tokenizer.encode(" ".join(words))
+    prefill_ids = prefill_token_ids(llm)
     start = time.perf_counter()
     llm.generate([prefill_ids], SamplingParams(max_tokens=1, ignore_eos=True))
     prefill_tok_s = len(prefill_ids) / (time.perf_counter() - start)
@@ -69,25 +78,64 @@ def llama_bench(binary: str, gguf: Path, threads: int) -> dict[str, float]:
     return result
 
 
+def llama_cpp_python(gguf: Path, decode_ids: list[int], prefill_ids: list[int], max_tokens: int, threads: int,
+                     cache: dict) -> dict[str, float]:
+    """llama.cpp through llama-cpp-python: greedy decode tok/s after the decode prompt, prefill tok/s."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    if "model" not in cache:
+        cache["model"] = Llama(model_path=str(gguf), n_ctx=2048, n_batch=512, n_threads=threads,
+                               n_threads_batch=threads, verbose=False)
+    llama = cache["model"]
+    llama.reset()
+    llama.eval(decode_ids)
+    token = int(np.argmax(llama.scores[llama.n_tokens - 1]))
+    start = time.perf_counter()
+    for _ in range(max_tokens - 1):
+        llama.eval([token])
+        token = int(np.argmax(llama.scores[llama.n_tokens - 1]))
+    decode_tok_s = (max_tokens - 1) / (time.perf_counter() - start)
+    llama.reset()
+    start = time.perf_counter()
+    llama.eval(prefill_ids)
+    return {"decode_tok_s": decode_tok_s, "prefill_tok_s": len(prefill_ids) / (time.perf_counter() - start)}
+
+
 def bench_model(name: str, isas: list[str], args: argparse.Namespace, threads: int) -> dict:
     from specdec.models.catalog import resolve_model
 
-    with ops.forced_isa(isas[0]):  # the weights are packed for the first path's layout
-        llm = LLM(model=name, max_model_len=2048, max_num_seqs=1)
-    rounds: dict[str, list[dict[str, float]]] = {isa: [] for isa in isas}
+    formats = args.weight_formats.split(",")
+    llms = {}
+    for weight_format in formats:
+        with ops.forced_isa(isas[0]):  # the weights are packed for the first path's layout
+            llms[weight_format] = LLM(model=name, max_model_len=2048, max_num_seqs=1, weight_format=weight_format)
+    variants = [(isa, weight_format) for weight_format in formats for isa in isas]
+    rounds: dict[str, list[dict[str, float]]] = {_label(*variant, formats): [] for variant in variants}
     peer: list[dict[str, float]] = []
+    llama_cache: dict = {}
+    any_llm = llms[formats[0]]
+    decode_ids = any_llm.encode_prompt(DECODE_PROMPT, chat=True)
+    prefill_ids = prefill_token_ids(any_llm)
     for round_index in range(args.rounds):
-        shift = round_index % len(isas)  # each path in turn first in a round
-        for isa in isas[shift:] + isas[:shift]:
+        shift = round_index % len(variants)  # each variant in turn first in a round
+        for isa, weight_format in variants[shift:] + variants[:shift]:
             with ops.forced_isa(isa):
-                rounds[isa].append(measure_path(llm, args.max_tokens))
+                rounds[_label(isa, weight_format, formats)].append(measure_path(llms[weight_format], args.max_tokens))
         if args.llama_bench:
             peer.append(llama_bench(args.llama_bench, resolve_model(name), threads))
+        elif args.llama_cpp:
+            peer.append(llama_cpp_python(resolve_model(name), decode_ids, prefill_ids, args.max_tokens, threads,
+                                         llama_cache))
     medians = {isa: {key: statistics.median(r[key] for r in rows) for key in rows[0]} for isa, rows in rounds.items()}
     row = {"model": name, "paths": medians}
     if peer:
         row["llama_cpp"] = {key: statistics.median(r[key] for r in peer) for key in peer[0]}
     return row
+
+
+def _label(isa: str, weight_format: str, formats: list[str]) -> str:
+    return isa if len(formats) == 1 else f"{isa} {weight_format}"
 
 
 def print_row(row: dict) -> None:
@@ -113,7 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--weight-formats", default="auto", help="weight formats, comma-separated (auto, q4, q8)")
     parser.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
+    parser.add_argument("--llama-cpp", action="store_true", help="llama.cpp through llama-cpp-python instead")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     threads = configure_threads(args.threads)
