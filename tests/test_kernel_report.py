@@ -95,3 +95,15 @@ def test_serve_prints_the_kernel_path_before_serving(tiny_model_dir, monkeypatch
     assert main(["serve", str(tiny_model_dir), "--threads", "2", "--max-model-len", "64"]) == 0
     err = capsys.readouterr().err
     assert f"[kernels: {ops.kernel_isa()} (q8 {ops.default_q8_layout()} layout), 2 threads]\n[serving " in err
+
+
+def test_fp32_weights_warn_that_they_are_not_row_invariant():
+    report = kernel_report("cpu", "fp32")
+    assert report.warning is not None and "not row invariant" in report.warning
+    assert report.warning.startswith("specdec runs fp32 weights because --weight-format fp32")
+
+
+def test_mixed_formats_are_named_with_their_bytes():
+    report = kernel_report("cpu", "auto", {"q4": 621_000_000, "q8": 747_000_000})
+    assert report.weights == f"auto: q4 621 MB + q8 {ops.default_q8_layout()} layout 747 MB"
+    assert kernel_report("cpu", "auto", {"q8": 5}).weights == f"q8 {ops.default_q8_layout()} layout"

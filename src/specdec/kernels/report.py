@@ -22,6 +22,8 @@ SCALAR_COST = ("about 6x slower decoding and 40x slower prefill than the avx2 pa
                "68 tok/s), and speculation rarely pays there: 8 verified rows cost 6 decoded ones")
 TORCH_COST = ("slower decoding than the compiled kernels (a dequantized copy of every weight, no int8 arithmetic), "
               "and the torch fallback is not row invariant: speculative greedy output may differ from plain decoding")
+FP32_COST = ("torch's matmul is not row invariant: speculative greedy output may differ from plain decoding "
+             "(fp32 is the reference for parity with HF transformers)")
 CUDA_COST = ("the torch fallback is not row invariant: speculative greedy output may differ from plain decoding "
              "(exactness is not guaranteed on CUDA)")
 
@@ -40,7 +42,8 @@ class KernelReport:
     def warning(self) -> str | None:
         if self.reason is None:
             return None
-        path = "the torch fallback" if self.isa == "torch" else f"the {self.isa} kernels"
+        path = ("the torch fallback" if self.isa == "torch" else "fp32 weights" if self.weights == "fp32"
+                else f"the {self.isa} kernels")
         return f"specdec runs {path} because {self.reason}: {self.cost}"
 
     def line(self) -> str:
@@ -73,6 +76,8 @@ def kernel_report(device: torch.device | str = "cpu", weight_format: str = "q8",
     supported = ops.supported_isas()
     weights = describe_weights(weight_format, linear_bytes)
     reason, cost = _why_slow(isa, supported, on_cuda)
+    if reason is None and weight_format == "fp32":
+        reason, cost = "--weight-format fp32 runs the linear layers on torch's F.linear", FP32_COST
     return KernelReport(isa, supported, weights, torch.get_num_threads(), "torch" if on_cuda else ops.kernel_build_id(),
                         reason, cost)
 
