@@ -21,7 +21,7 @@ import math
 import os
 import re
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ class ModelLoadError(ValueError):
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # canonical name -> fp32 tensor
+    tensors: Mapping[str, torch.Tensor]  # canonical name -> fp32 tensor (GGUF: dequantized when read)
     tokenizer: Tokenizer
     storage: TensorStorage = field(default_factory=TensorStorage)  # how the file stored them
 
@@ -99,7 +99,7 @@ def load_gguf(path: str | os.PathLike[str], keep_q4k_bytes: bool = False) -> Che
     config = _gguf_config(metadata, gguf_file.tensors, path)
     _check_gguf_quant_types(gguf_file.tensors, path)
     tokenizer = _gguf_tokenizer(gguf_file.metadata, path)
-    tensors = _load_gguf_tensors(gguf_file, config, path)
+    tensors = GGUFTensors(gguf_file, config, path)
     _check_tensor_set(tensors, config, path)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer,
                       storage=_gguf_storage(gguf_file, config, path, keep_q4k_bytes))
@@ -413,25 +413,37 @@ def _ggml_type_name(ggml_type: int) -> str:
         return f"#{ggml_type}"
 
 
-def _load_gguf_tensors(gguf_file: GGUFFile, config: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
-    named = [(_canonical_gguf_name(info.name, path), info) for info in gguf_file.tensors]
-    # Largest first so the big embedding matrices do not end up last on one worker.
-    order = sorted(range(len(named)), key=lambda index: -named[index][1].n_bytes)
-    workers = max(1, os.cpu_count() or 1)
-    # One tensor per worker thread, each single-threaded: torch's intra-op threads on tiny chunks spin badly
-    # on a busy machine. The process-wide setting is restored afterwards.
-    intra_op_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            values = pool.map(lambda index: _dequantize_gguf_tensor(gguf_file, named[index][1], path), order)
-            by_index = dict(zip(order, values))
-    finally:
-        torch.set_num_threads(intra_op_threads)
-    tensors = {named[index][0]: by_index[index] for index in range(len(named))}  # file order
-    if config.architecture == "llama":
-        _unpermute_llama_qk(tensors, config)
-    return tensors
+class GGUFTensors(Mapping[str, torch.Tensor]):
+    """A GGUF file's tensors in canonical names, dequantized to fp32 when read: each read is a new tensor, which
+    its reader frees when done. A model is built one tensor at a time, so loading never holds the whole model in
+    fp32 (Qwen2.5-Coder-1.5B: 7.1 GB) beside its quantized weights."""
+
+    def __init__(self, gguf_file: GGUFFile, config: ModelConfig, path: Path) -> None:
+        self._file, self._config, self._path = gguf_file, config, path
+        self._infos = {_canonical_gguf_name(info.name, path): info for info in gguf_file.tensors}  # file order
+        self._llama_heads = {}  # q/k rows llama.cpp interleaved: canonical name -> heads
+        if config.architecture == "llama":
+            for layer in range(config.num_layers):
+                for leaf, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+                    for suffix in ("", ".bias"):
+                        self._llama_heads[f"layers.{layer}.{leaf}{suffix}"] = heads
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = _dequantize_gguf_tensor(self._file, self._infos[name], self._path)
+        heads = self._llama_heads.get(name)
+        return value if heads is None else unpermute_rope_rows(value, heads)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos
+
+    def __iter__(self):
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._infos[name].shape)
 
 
 def _canonical_gguf_name(gguf_name: str, path: Path) -> str:
@@ -614,7 +626,7 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return interleaved.transpose(1, 2).reshape(weight.shape).contiguous()
 
 
-def _check_tensor_set(tensors: dict[str, torch.Tensor], config: ModelConfig, path: Path | str) -> None:
+def _check_tensor_set(tensors: Mapping[str, torch.Tensor], config: ModelConfig, path: Path | str) -> None:
     expected = {"embed_tokens": (config.vocab_size, config.hidden_size), "norm": (config.hidden_size,)}
     if not config.tie_word_embeddings:
         expected["lm_head"] = (config.vocab_size, config.hidden_size)
@@ -644,9 +656,10 @@ def _check_tensor_set(tensors: dict[str, torch.Tensor], config: ModelConfig, pat
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ModelLoadError(f"{path}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    shape_of = tensors.shape if isinstance(tensors, GGUFTensors) else (lambda name: tuple(tensors[name].shape))
     for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ModelLoadError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+        if shape_of(name) != shape:
+            raise ModelLoadError(f"{path}: tensor {name} has shape {shape_of(name)}, expected {shape}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
