@@ -12,7 +12,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.llm import LLM
-from specdec.server.app import ServerConfig, create_app
+from specdec.server.app import GracefulServer, ServerConfig, create_app
 
 MAX_MODEL_LEN = 128
 MODEL = "tiny-llama"
@@ -57,13 +57,14 @@ class RunningServer:
             time.sleep(0.02)
 
 
-def start_server(llm, config: ServerConfig | None = None) -> RunningServer:
+def start_server(llm, config: ServerConfig | None = None, **uvicorn_options) -> RunningServer:
+    """uvicorn_options: more uvicorn.Config arguments (e.g. timeout_graceful_shutdown)."""
     app = create_app(llm, config)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = GracefulServer(uvicorn.Config(app, log_level="warning", lifespan="on", **uvicorn_options))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

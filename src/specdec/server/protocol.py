@@ -12,6 +12,7 @@ also carries per-token provenance: `token_kinds`, `draft_positions`, `token_text
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,20 +20,37 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specdec.config import SamplingParams
 
 MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may carry. A request past a limit is refused with a precise error before it costs the
+    server more than reading up to the limit: 413 for the body, 400 for the prompt and the stop strings."""
+
+    max_body_bytes: int = 4 * 2**20  # body bytes, counted while the body is read (and from Content-Length)
+    max_prompt_chars: int = 1_000_000  # characters of a prompt string, or of all chat messages' text together
+    max_stop_strings: int = 16  # stop strings per request
+    max_stop_chars: int = 256  # characters of one stop string
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompt_chars", "max_stop_strings", "max_stop_chars"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
 
     def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}  # extra response headers (503s also get Retry-After)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -69,16 +87,28 @@ class _CommonRequest(_Strict):
     return_token_ids: bool = False
     return_token_kinds: bool = False
 
-    def stop_strings(self) -> tuple[str, ...]:
+    def stop_strings(self, limits: RequestLimits) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+        if len(stops) > limits.max_stop_strings:
+            raise bad_request(f"at most {limits.max_stop_strings} stop strings, got {len(stops)}", "stop")
         if any(not s for s in stops):
             raise bad_request("stop strings must be non-empty", "stop")
+        longest = max(map(len, stops), default=0)
+        if longest > limits.max_stop_chars:
+            raise bad_request(f"a stop string may have at most {limits.max_stop_chars} characters, got {longest}",
+                              "stop", "stop_too_long")
         return tuple(stops)
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        """The cheap checks of the limits, run before the prompt is rendered or tokenized."""
+        self.stop_strings(limits)
+        self.check_prompt_length(limits)
+
+    def check_prompt_length(self, limits: RequestLimits) -> None:
+        raise NotImplementedError
 
 
 Prompt = Union[str, Annotated[list[int], Field(min_length=1)], Annotated[list[str], Field(min_length=1, max_length=1)],
@@ -101,6 +131,12 @@ class CompletionRequest(_CommonRequest):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def check_prompt_length(self, limits: RequestLimits) -> None:
+        """A 400 for a prompt string longer than the limit, before it is tokenized."""
+        prompt = self.single_prompt()
+        if isinstance(prompt, str) and len(prompt) > limits.max_prompt_chars:
+            raise prompt_too_long(len(prompt), limits, "prompt")
 
 
 class ChatMessage(BaseModel):
@@ -128,6 +164,12 @@ class ChatCompletionRequest(_CommonRequest):
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text_content()} for m in self.messages]
 
+    def check_prompt_length(self, limits: RequestLimits) -> None:
+        """A 400 when the messages' text together is longer than the limit, before the template renders it."""
+        total = sum(len(message["content"]) for message in self.template_messages())
+        if total > limits.max_prompt_chars:
+            raise prompt_too_long(total, limits, "messages")
+
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -135,6 +177,11 @@ class ChatCompletionRequest(_CommonRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def prompt_too_long(num_chars: int, limits: RequestLimits, param: str) -> APIError:
+    return bad_request(f"the prompt has {num_chars} characters; this server accepts at most {limits.max_prompt_chars} "
+                       "(--max-prompt-chars)", param, "prompt_too_long")
 
 
 def parse_request(raw: bytes, model_cls: type[_CommonRequest]) -> _CommonRequest:
@@ -166,12 +213,13 @@ def _param_path(data: Any, loc: tuple, missing: bool) -> str | None:
     return ".".join(parts) or None
 
 
-def sampling_params(request: _CommonRequest, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+def sampling_params(request: _CommonRequest, max_tokens: int, num_logprobs: int | None,
+                    limits: RequestLimits) -> SamplingParams:
     top_k = 0 if request.top_k == -1 else request.top_k
     seed = None if request.seed is None else request.seed % 2**63  # torch seeds are 64-bit
     try:
         return SamplingParams(temperature=float(request.temperature), top_k=top_k, top_p=float(request.top_p),
-                              seed=seed, max_tokens=max_tokens, stop=request.stop_strings(),
+                              seed=seed, max_tokens=max_tokens, stop=request.stop_strings(limits),
                               ignore_eos=request.ignore_eos, logprobs=num_logprobs)
     except ValueError as error:
         raise bad_request(str(error)) from None
