@@ -5,9 +5,16 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from specdec.config import DRAFT_POLICIES
 from specdec.engine.sequence import TokenKind
+
+if TYPE_CHECKING:
+    from specdec.server.app import ServerConfig
+
+API_KEY_VARIABLE = "SPECDEC_API_KEY"  # `specdec serve` reads its API key here when --api-key is not given
 
 COLOURS = {  # ANSI colours for --show-drafts
     TokenKind.ACCEPTED: "\033[32m",  # green: accepted draft token
@@ -152,24 +159,46 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerConfig:
+    """The server's configuration from `specdec serve`'s options; the API key from --api-key, else from
+    SPECDEC_API_KEY (where `ps` does not show it)."""
+    from specdec.server.app import ServerConfig
+    from specdec.server.engine_loop import WatchdogConfig
+    from specdec.server.protocol import RequestLimits
+
+    return ServerConfig(
+        model_name=args.served_model_name or args.model,
+        api_key=args.api_key or environ.get(API_KEY_VARIABLE) or None,
+        max_queue=args.max_queue,
+        limits=RequestLimits(max_body_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
+                             max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars),
+        watchdog=WatchdogConfig(step_timeout_s=args.step_timeout,
+                                unhealthy_after_failed_steps=args.unhealthy_after_failed_steps),
+        request_timeout_s=args.request_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
     import uvicorn
 
     from specdec.kernels.report import announce_kernels
     from specdec.llm import LLM
     from specdec.runtime import configure_threads
-    from specdec.server.app import ServerConfig, create_app
+    from specdec.server.app import GracefulServer, create_app
 
+    config = serve_config(args, os.environ)  # a bad limit stops the start before the model loads
     configure_threads(args.threads)
     extra = {} if args.max_verify_tokens is None else {"max_verify_tokens": args.max_verify_tokens}
     llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
               kv_cache_dtype=args.kv_cache_dtype, prefix_cache_tokens=args.prefix_cache_tokens,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device, **extra)
-    app = create_app(llm, ServerConfig(model_name=args.served_model_name or args.model, api_key=args.api_key,
-                                        max_queue=args.max_queue))
+    app = create_app(llm, config)
     announce_kernels(llm.model.device, args.weight_format, linear_bytes=llm.model.linear_bytes())
     print(f"[serving {app.state.server.model_name} on http://{args.host}:{args.port}]", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
     return 0
 
 
@@ -180,17 +209,49 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-num-seqs", type=int, default=8, help="KV-cache slots = requests decoded together")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_VARIABLE}, which "
+                             "`ps` does not show)")
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 503")
     parser.add_argument("--max-verify-tokens", type=int, default=None, help="verify-token budget per step (draft policy)")
     parser.add_argument("--prefix-cache-tokens", type=int, default=8192,
                         help="keys/values of earlier requests' tokens kept for prompts that start with them "
                              "(a shared system turn, the next turn of a chat); 0 = off (default 8192)")
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: MODEL as given)")
+    _add_server_limit_args(parser)
     _add_format_args(parser)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--log-level", default="info")
+
+
+def _add_server_limit_args(parser: argparse.ArgumentParser) -> None:
+    from specdec.server.engine_loop import WatchdogConfig
+    from specdec.server.protocol import RequestLimits
+
+    limits, watchdog = RequestLimits(), WatchdogConfig()
+    parser.add_argument("--max-request-bytes", type=int, default=limits.max_body_bytes,
+                        help=f"request bodies over this many bytes get 413 (default {limits.max_body_bytes})")
+    parser.add_argument("--max-prompt-chars", type=int, default=limits.max_prompt_chars,
+                        help="prompts (or all chat messages together) over this many characters get 400, before "
+                             f"tokenization (default {limits.max_prompt_chars})")
+    parser.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings,
+                        help=f"stop strings per request (default {limits.max_stop_strings})")
+    parser.add_argument("--max-stop-chars", type=int, default=limits.max_stop_chars,
+                        help=f"characters per stop string (default {limits.max_stop_chars})")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds from a request's arrival to its last token; past it the request gets 504 "
+                             "request_timeout and its slot is freed (default: none)")
+    parser.add_argument("--step-timeout", type=float, default=watchdog.step_timeout_s,
+                        help="seconds an engine step (with its commands and outputs) may run before the engine "
+                             "counts as stalled: /health 503, waiting requests fail with 503 engine_stalled "
+                             f"(default {watchdog.step_timeout_s:g})")
+    parser.add_argument("--unhealthy-after-failed-steps", type=int, default=watchdog.unhealthy_after_failed_steps,
+                        help="/health is 503 after this many engine steps in a row raised "
+                             f"(default {watchdog.unhealthy_after_failed_steps})")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds a shutdown (Ctrl-C, SIGTERM) lets running requests finish; then they end "
+                             "with 503 shutting_down (default 30)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
