@@ -30,7 +30,8 @@ def test_a_simd_path_is_named_without_a_warning(cpu):
     assert report.warning is None
     assert report.to_dict() == {"kernel_isa": "avx512", "supported_kernel_isas": ["scalar", "avx2", "avx512"],
                                 "kernel_weights": "q8 vnni layout", "kernel_threads": threads,
-                                "kernel_build": "q8-0123456789abcdef-avx512", "kernel_warning": None}
+                                "kernel_build": "q8-0123456789abcdef-avx512", "kernel_warning": None,
+                                "bit_exact": True}
     assert kernel_report(weight_format="fp32").line().startswith("[kernels: avx512 (fp32), ")
 
 
@@ -89,9 +90,9 @@ def test_generate_warns_on_the_scalar_path(tiny_model_dir, cpu, capsys):
 
 
 def test_serve_prints_the_kernel_path_before_serving(tiny_model_dir, monkeypatch, capsys):
-    import uvicorn
+    from specdec.server.app import GracefulServer
 
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)  # no server: only what it prints before
+    monkeypatch.setattr(GracefulServer, "run", lambda self, **kwargs: None)  # no server: only what it prints before
     assert main(["serve", str(tiny_model_dir), "--threads", "2", "--max-model-len", "64"]) == 0
     err = capsys.readouterr().err
     assert f"[kernels: {ops.kernel_isa()} (q8 {ops.default_q8_layout()} layout), 2 threads]\n[serving " in err
@@ -107,3 +108,18 @@ def test_mixed_formats_are_named_with_their_bytes():
     report = kernel_report("cpu", "auto", {"q4": 621_000_000, "q8": 747_000_000})
     assert report.weights == f"auto: q4 621 MB + q8 {ops.default_q8_layout()} layout 747 MB"
     assert kernel_report("cpu", "auto", {"q8": 5}).weights == f"q8 {ops.default_q8_layout()} layout"
+
+
+@pytest.mark.parametrize("isa,device,weight_format,bit_exact", [
+    ("avx512", "cpu", "q8", True), ("avx2", "cpu", "q4", True), ("amx", "cpu", "auto", True),
+    ("scalar", "cpu", "q8", True),  # slow, but the same fixed order
+    ("avx512", "cpu", "fp32", False),  # torch's F.linear
+    ("torch", "cpu", "q8", False),  # the fallback: kernels disabled, failed to build, or a CPU other than x86-64
+    ("avx2", "cuda", "q8", False),  # CUDA tensors take the torch fallback
+])
+def test_bit_exact_only_on_the_compiled_kernels_with_quantized_weights_on_the_cpu(cpu, isa, device, weight_format,
+                                                                                 bit_exact):
+    cpu(isa, () if isa == "torch" else ("scalar", isa))
+    report = kernel_report(device, weight_format)
+    assert report.bit_exact is bit_exact and report.to_dict()["bit_exact"] is bit_exact
+    assert bit_exact or report.warning is not None  # never inexact without a warning
