@@ -24,6 +24,8 @@ TORCH_COST = ("slower decoding than the compiled kernels (a dequantized copy of 
               "and the torch fallback is not row invariant: speculative greedy output may differ from plain decoding")
 FP32_COST = ("torch's matmul is not row invariant: speculative greedy output may differ from plain decoding "
              "(fp32 is the reference for parity with HF transformers)")
+# weight formats whose linear layers run our fixed-order kernels (fp32 runs torch's F.linear)
+ROW_INVARIANT_FORMATS = ("auto", "q4", "q8")
 CUDA_COST = ("the torch fallback is not row invariant: speculative greedy output may differ from plain decoding "
              "(exactness is not guaranteed on CUDA)")
 
@@ -37,6 +39,9 @@ class KernelReport:
     build: str  # ops.kernel_build_id(): "q8-<digest>-<isa>" or "torch"
     reason: str | None = None  # why only the scalar path or the fallback runs; None on a SIMD path
     cost: str | None = None  # what that costs
+    # every op row invariant: our compiled kernels (any ISA path, the scalar one included) with q4/q8/auto weights on
+    # the CPU; then greedy and seeded exact-acceptance speculation reproduce plain decoding bit for bit
+    bit_exact: bool = False
 
     @property
     def warning(self) -> str | None:
@@ -51,7 +56,8 @@ class KernelReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kernel_isa": self.isa, "supported_kernel_isas": list(self.supported), "kernel_weights": self.weights,
-                "kernel_threads": self.threads, "kernel_build": self.build, "kernel_warning": self.warning}
+                "kernel_threads": self.threads, "kernel_build": self.build, "kernel_warning": self.warning,
+                "bit_exact": self.bit_exact}
 
 
 def describe_weights(weight_format: str, linear_bytes: dict[str, int] | None = None) -> str:
@@ -78,8 +84,9 @@ def kernel_report(device: torch.device | str = "cpu", weight_format: str = "q8",
     reason, cost = _why_slow(isa, supported, on_cuda)
     if reason is None and weight_format == "fp32":
         reason, cost = "--weight-format fp32 runs the linear layers on torch's F.linear", FP32_COST
+    bit_exact = not on_cuda and isa != "torch" and weight_format in ROW_INVARIANT_FORMATS
     return KernelReport(isa, supported, weights, torch.get_num_threads(), "torch" if on_cuda else ops.kernel_build_id(),
-                        reason, cost)
+                        reason, cost, bit_exact)
 
 
 def _why_slow(isa: str, supported: tuple[str, ...], on_cuda: bool) -> tuple[str | None, str | None]:
