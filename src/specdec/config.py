@@ -21,6 +21,10 @@ MAX_DRAFT_BRANCHES = 8
 # model, draft trees (measured: docs/methods.md, token trees); lookups draft chains.
 DEFAULT_DRAFT_BRANCHES = {"draft_model": 4, "eagle": 4}
 DRAFT_WEIGHT_FORMATS = ("auto", "q4", "q8", "fp32")  # models/layers.py: WEIGHT_FORMATS
+# how sampled requests verify drafts: "exact" emits plain seeded sampling's own draws (verify/exact.py);
+# "rejection" is rejection sampling (verify/rejection.py). Both give the target's distribution.
+ACCEPTANCE_METHODS = ("exact", "rejection")
+DEFAULT_ACCEPTANCE = "exact"
 DRAFT_POLICIES = ("adaptive", "fixed")  # adaptive: k per step from acceptance and measured costs; fixed: always k
 
 
@@ -107,19 +111,27 @@ class SpeculativeConfig:
       prompt_lookup_max: longest n-gram the ngram drafter tries to match (>= 1).
       prompt_lookup_min: shortest n-gram the ngram drafter tries to match (>= 1, <= prompt_lookup_max).
 
-    Our key (token trees, greedy-only):
-      num_draft_branches: token trees, 1..8 (1 = chains; the default for ngram and suffix; 4 for draft_model and
-          eagle, whose trees the adaptive policy cuts to what pays). The target verifies the tree in one
-          forward; num_speculative_tokens bounds its depth, and the engine caps its nodes at the sequence's
-          share of max_verify_tokens rows. Trees are greedy-only: a sampled request (temperature > 0) drafts
-          and verifies one chain, whatever this key. ngram: up to this many branches, the continuations of
-          earlier occurrences; suffix: the other continuations of the matched trie path. draft_model and
-          eagle grow EAGLE-2's dynamic tree of this width: at every depth the chain's node and the
-          num_draft_branches - 1 likeliest other nodes are expanded, each adding its num_draft_branches
+    Our key (sampled requests):
+      acceptance: "exact" (default) or "rejection". exact: a draft token is accepted when it equals the token
+          plain seeded sampling draws at its position (one uniform number per output position, keyed by the
+          request's seed), so the output is plain seeded sampling's, token for token, and a sampling drafter
+          draws with the same numbers; rejection: rejection sampling with the drafter's probabilities (same
+          distribution, different tokens than plain sampling). Greedy requests are verified the same way
+          under both. Measured: docs/methods.md, "Sampled requests: acceptance".
+
+    Our key (token trees):
+      num_draft_branches: token trees, 1..8 (1 = chains; the default for ngram and suffix; 4 for draft_model and eagle,
+          whose trees the adaptive policy cuts to what pays). The target verifies the tree in one forward;
+          num_speculative_tokens bounds its depth, and the engine caps its nodes at the sequence's share of
+          max_verify_tokens rows. Greedy requests verify trees of every drafter; sampled requests (temperature > 0)
+          verify ngram and suffix trees under exact acceptance and chains otherwise. ngram: up to this many
+          branches, the continuations of earlier occurrences; suffix: the other continuations of the matched trie
+          path. draft_model and eagle grow EAGLE-2's dynamic tree of this width: at every depth the chain's node and
+          the num_draft_branches - 1 likeliest other nodes are expanded, each adding its num_draft_branches
           likeliest next tokens; the chain comes first, then the other nodes by path probability (up to
-          num_draft_branches * num_speculative_tokens nodes), and with the adaptive draft policy the engine
-          keeps those that raise the step's expected tokens per second under the measured cost model
-          (medusa: chains only).
+          num_draft_branches * num_speculative_tokens nodes), and with the adaptive draft policy the engine keeps
+          those that raise the step's expected tokens per second under the measured cost model (medusa: chains
+          only).
       draft_tree_min_prob: draft_model and eagle trees: a node other than the chain's is expanded or
           verified only when the draft probability of its path (the product of its tokens' draft
           probabilities) is at least this, in [0, 1] (default 0.05).
@@ -156,10 +168,14 @@ class SpeculativeConfig:
     draft_prefix_cache_tokens: int = 4096  # Qwen-0.5B: 24.6 KB of keys and values per token
     draft_vocab_size: int | None = None
     weight_format: str | None = None
+    acceptance: str = DEFAULT_ACCEPTANCE
 
     def __post_init__(self) -> None:
         self._validate_method_and_model()
         owner = "SpeculativeConfig"
+        if self.acceptance not in ACCEPTANCE_METHODS:
+            raise ValueError(f"{owner}.acceptance must be one of {', '.join(map(repr, ACCEPTANCE_METHODS))}, "
+                             f"got {self.acceptance!r}")
         if self.num_draft_branches is None:
             object.__setattr__(self, "num_draft_branches", DEFAULT_DRAFT_BRANCHES.get(self.method, 1))
         _require_at_least(owner, "num_speculative_tokens", self.num_speculative_tokens, 1)

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import torch
 
 from specdec.cache.kv_cache import kv_cache_dtype as kv_dtype
-from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.config import DEFAULT_ACCEPTANCE, SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Drafter
 from specdec.drafters.factory import build_drafter
 from specdec.engine.adaptive import build_draft_policy
@@ -85,11 +85,12 @@ class LLM:
         self.engine = Engine(self.model, self.tokenizer, max_num_seqs, self.max_model_len, drafter, k,
                              prefill_chunk=prefill_chunk, max_verify_tokens=max_verify_tokens, draft_policy=policy,
                              kv_cache_dtype=kv_dtype(kv_cache_dtype, self.model.kv_cache_dtype),
-                             prefix_cache_tokens=prefix_cache_tokens)
+                             prefix_cache_tokens=prefix_cache_tokens,
+                             acceptance=self.spec_config.acceptance if self.spec_config else DEFAULT_ACCEPTANCE)
 
     def encode_prompt(self, prompt: str | Sequence[int] | list[dict], chat: bool = False) -> list[int]:
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], int):
-            return list(prompt)
+        if isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], int)):
+            return list(prompt)  # token ids (an empty list is refused by the engine: the prompt is empty)
         if chat or isinstance(prompt, list):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -103,12 +104,24 @@ class LLM:
         chat: bool = False,
         speculative: bool = True,
         on_output: Callable[[StepOutput], None] | None = None,
+        request_ids: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (batched); results in prompt order. on_output streams each step's tokens."""
+        """Generates for every prompt (batched); results in prompt order. on_output streams each step's tokens.
+        request_ids: one id per prompt (they name the streamed StepOutputs), unique, and none in use by an unfinished
+        request; checked before any request is queued. None: the engine numbers the requests."""
         params = params or SamplingParams()
         single = isinstance(prompts, str)
         prompt_list = [prompts] if single else list(prompts)
-        seqs = [self.engine.add_request(self.encode_prompt(p, chat), params, speculative=speculative) for p in prompt_list]
+        ids = self._checked_request_ids(request_ids, len(prompt_list))
+        token_lists = [self.encode_prompt(p, chat) for p in prompt_list]
+        seqs: list[EngineSequence] = []
+        try:
+            for tokens, request_id in zip(token_lists, ids):
+                seqs.append(self.engine.add_request(tokens, params, request_id=request_id, speculative=speculative))
+        except ValueError:  # a prompt the engine refuses: none of the batch runs (queued requests hold no slot yet)
+            for seq in seqs:
+                self.engine.abort(seq.request_id)
+            raise
         start = time.perf_counter()
         ended_at: dict[str, float] = {}
         while self.engine.has_unfinished():
@@ -118,6 +131,25 @@ class LLM:
                 if output.finished:
                     ended_at[output.request_id] = time.perf_counter()
         return [_request_output(seq, ended_at.get(seq.request_id, time.perf_counter()) - start) for seq in seqs]
+
+
+    def _checked_request_ids(self, request_ids: Sequence[str] | None, num_prompts: int) -> list[str | None]:
+        """The ids to queue the prompts under (None: numbered by the engine); duplicates, ids in use and a count
+        other than the prompts' are errors."""
+        if request_ids is None:
+            return [None] * num_prompts
+        ids = list(request_ids)
+        if len(ids) != num_prompts:
+            raise ValueError(f"got {len(ids)} request ids for {num_prompts} prompts")
+        if not all(isinstance(request_id, str) and request_id for request_id in ids):
+            raise ValueError(f"request ids must be non-empty strings, got {ids!r}")
+        duplicates = sorted({request_id for request_id in ids if ids.count(request_id) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate request ids {duplicates}: each request needs its own id")
+        in_use = [request_id for request_id in ids if self.engine.has_request(request_id)]
+        if in_use:
+            raise ValueError(f"request ids {in_use} are already in use by unfinished requests")
+        return ids
 
 
 def _request_output(seq: EngineSequence, elapsed_s: float) -> RequestOutput:

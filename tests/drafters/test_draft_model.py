@@ -8,6 +8,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.models.batch import ForwardBatch
+from specdec.verify.noise import RequestNoise
 
 PROMPT = [5, 17, 42, 99, 3, 250, 77, 12]
 
@@ -72,7 +73,7 @@ def test_tree_nodes_respect_the_threshold(make_tiny_model):
 
 def test_sampled_requests_draft_chains(make_tiny_model):
     drafter = DraftModelDrafter(make_tiny_model("qwen2"), max_num_seqs=2, max_model_len=64, num_branches=3)
-    drafter.add_request("r", PROMPT, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    drafter.add_request("r", PROMPT, SamplingParams(temperature=1.0), RequestNoise(0))
     (draft,) = drafter.propose(["r"], [4])
     assert draft.tree is None and len(draft.token_ids) == 4 and draft.draft_probs.shape[0] == 4
 
@@ -92,8 +93,8 @@ def test_prefix_store_skips_the_shared_prefill_and_drafts_do_not_change(make_tin
         drafter = DraftModelDrafter(model, max_num_seqs=2, max_model_len=64, prefix_cache_tokens=prefix_cache_tokens)
         out, reused = [], []
         for i, prompt in enumerate(prompts):  # one after another, each freeing its slot, as a server would
-            generator = None if params.greedy else torch.Generator().manual_seed(i)
-            drafter.add_request(str(i), prompt, params, generator)
+            noise = None if params.greedy else RequestNoise(i)
+            drafter.add_request(str(i), prompt, params, noise)
             before = drafter.reused_prefix_tokens
             out.append(drafter.propose([str(i)], [4])[0])
             reused.append(drafter.reused_prefix_tokens - before)

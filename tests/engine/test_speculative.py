@@ -1,5 +1,6 @@
 """Speculative decoding end to end on tiny models: greedy output identical to plain output for every
-drafter (batch 1 and batch 4 of mixed lengths), and the sampled distribution equal to the target's."""
+drafter (batch 1 and batch 4 of mixed lengths), and the sampled distribution equal to the target's (chi-square,
+each with a negative control: rejection and exact acceptance, temperature != 1, top-k, top-p, the bonus token)."""
 import itertools
 from collections import Counter
 
@@ -14,6 +15,7 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.models.batch import ForwardBatch
 from specdec.engine.draft_policy import BatchDraftPolicy
+from specdec.engine import engine as engine_module
 from specdec.engine.engine import Engine
 from specdec.engine.sequence import TokenKind
 from specdec.verify import rejection
@@ -100,7 +102,13 @@ def test_stop_string_and_max_tokens_cut_exactly_like_plain(make_tiny_model, tiny
 SMALL_VOCAB = 8
 CHI_PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 4, 6, 1, 3, 5, 7]  # every token recurs: n-gram drafts always exist
 CHI_PARAMS = dict(temperature=1.0, max_tokens=4)
-CHI_SAMPLES = 4000
+CHI_SAMPLES = 6000
+# temperature != 1, top-k and top-p: the draft side and the target side must process their logits alike
+# (temperatures above 1 flatten the tiny target, whose most likely pair of tokens has 70 % of the mass at 1.0, so
+# that top-k and top-p cut tokens that still matter and a wrong verifier shows)
+FILTERED_PARAMS = {"temperature-1.8": dict(temperature=1.8, max_tokens=4),
+                   "top-k-3": dict(temperature=2.0, top_k=3, max_tokens=4),
+                   "top-p-0.8": dict(temperature=2.5, top_p=0.8, max_tokens=4)}
 
 
 def next_probs(model, tokens, params):
@@ -120,13 +128,14 @@ def exact_distribution_of_tokens_2_and_3(model, params):
     return joint
 
 
-def sampled_counts(model, tokenizer, drafter):
+def sampled_counts(model, tokenizer, drafter, params=CHI_PARAMS, acceptance="rejection", k=3):
+    """Counts of output tokens (2, 3) over CHI_SAMPLES seeded requests, in batches of 32 that draft k tokens."""
     counts = Counter()
     for start in range(0, CHI_SAMPLES, 32):
-        params = [SamplingParams(seed=seed, **CHI_PARAMS) for seed in range(start, start + 32)]
-        engine = Engine(model, tokenizer, max_num_seqs=32, max_model_len=64, drafter=drafter, num_speculative_tokens=3,
-                        max_verify_tokens=4096)  # keep speculating at batch 32
-        seqs = [engine.add_request(CHI_PROMPT, p) for p in params]
+        request_params = [SamplingParams(seed=seed, **params) for seed in range(start, start + 32)]
+        engine = Engine(model, tokenizer, max_num_seqs=32, max_model_len=64, drafter=drafter, num_speculative_tokens=k,
+                        max_verify_tokens=4096, acceptance=acceptance)  # keep speculating at batch 32
+        seqs = [engine.add_request(CHI_PROMPT, p) for p in request_params]
         while engine.has_unfinished():
             engine.step()
         counts.update(tuple(seq.output_token_ids[1:3]) for seq in seqs)
@@ -140,6 +149,10 @@ def chi_square_p_value(counts, joint):
     big = expected >= 5  # pool the rare cells into one
     expected_bins = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
     observed_bins = torch.cat([observed[big], observed[~big].sum(0, keepdim=True)])
+    if float(expected_bins[-1]) == 0:  # top-k / top-p: the rare cells are all impossible ones
+        if float(observed_bins[-1]) > 0:
+            return 0.0  # an impossible pair was sampled
+        expected_bins, observed_bins = expected_bins[:-1], observed_bins[:-1]
     observed_bins = observed_bins * expected_bins.sum() / observed_bins.sum()
     return chisquare(observed_bins.numpy(), expected_bins.numpy()).pvalue
 
@@ -158,11 +171,13 @@ def chi_square_drafter(kind, draft):
     return DraftModelDrafter(draft, 32, 64, draft_token_ids=[0, 2, 3, 5, 7] if kind == "draft_model_reduced" else None)
 
 
-@pytest.mark.parametrize("drafter_kind", ["draft_model", "draft_model_reduced", "point_mass"])
-def test_speculative_sampling_matches_target_distribution(small_vocab_models, tiny_tokenizer, drafter_kind):
+@pytest.mark.parametrize("acceptance,drafter_kind", [("rejection", "draft_model"), ("rejection", "draft_model_reduced"),
+                                                     ("rejection", "point_mass"), ("exact", "draft_model"),
+                                                     ("exact", "point_mass")])
+def test_speculative_sampling_matches_target_distribution(small_vocab_models, tiny_tokenizer, acceptance, drafter_kind):
     target, draft, joint = small_vocab_models
     drafter = chi_square_drafter(drafter_kind, draft)
-    assert chi_square_p_value(sampled_counts(target, tiny_tokenizer, drafter), joint) > 1e-3
+    assert chi_square_p_value(sampled_counts(target, tiny_tokenizer, drafter, acceptance=acceptance), joint) > 1e-3
 
 
 @pytest.mark.parametrize("drafter_kind", ["draft_model", "draft_model_reduced", "point_mass"])
@@ -171,6 +186,65 @@ def test_chi_square_detects_a_wrong_residual(small_vocab_models, tiny_tokenizer,
     monkeypatch.setattr(rejection, "residual_probs", lambda target_probs, draft_probs: target_probs)
     drafter = chi_square_drafter(drafter_kind, draft)
     assert chi_square_p_value(sampled_counts(target, tiny_tokenizer, drafter), joint) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def filtered_joints(small_vocab_models):
+    target = small_vocab_models[0]
+    return {name: exact_distribution_of_tokens_2_and_3(target, SamplingParams(**params))
+            for name, params in FILTERED_PARAMS.items()}
+
+
+@pytest.mark.parametrize("name", FILTERED_PARAMS)
+def test_rejection_sampling_with_temperature_top_k_top_p_matches_target(small_vocab_models, filtered_joints,
+                                                                       tiny_tokenizer, name):
+    target, draft, _ = small_vocab_models
+    counts = sampled_counts(target, tiny_tokenizer, chi_square_drafter("draft_model", draft), FILTERED_PARAMS[name])
+    assert chi_square_p_value(counts, filtered_joints[name]) > 1e-3
+
+
+@pytest.mark.parametrize("name", FILTERED_PARAMS)
+def test_chi_square_with_temperature_top_k_top_p_detects_a_wrong_residual(small_vocab_models, filtered_joints,
+                                                                          tiny_tokenizer, monkeypatch, name):
+    target, draft, _ = small_vocab_models
+    monkeypatch.setattr(rejection, "residual_probs", lambda target_probs, draft_probs: target_probs)
+    counts = sampled_counts(target, tiny_tokenizer, chi_square_drafter("draft_model", draft), FILTERED_PARAMS[name])
+    assert chi_square_p_value(counts, filtered_joints[name]) < 1e-6
+
+
+# The bonus token: with the target itself as draft model and k = 1, every draft is accepted, so output token 1 is
+# a draft and token 2 the step's bonus token, token 3 the next step's draft. Tokens 2 and 3 test the bonus.
+def argmax_bonus(verifier, target_rows_argument):
+    """`verifier` with a bonus token that is the argmax of the last target row (a known kind of bug)."""
+
+    def wrong(*args):
+        result = verifier(*args)
+        if not result.bonus or result.num_drafted == 0:
+            return result
+        argmax = int(args[target_rows_argument][-1].argmax())
+        return type(result)(result.accepted_count, result.num_drafted, (*result.token_ids[:-1], argmax))
+
+    return wrong
+
+
+@pytest.mark.parametrize("acceptance", ["rejection", "exact"])
+def test_bonus_token_matches_target_distribution(small_vocab_models, tiny_tokenizer, acceptance):
+    target, _, joint = small_vocab_models
+    drafter = DraftModelDrafter(target, 32, 64)
+    counts = sampled_counts(target, tiny_tokenizer, drafter, acceptance=acceptance, k=1)
+    assert chi_square_p_value(counts, joint) > 1e-3
+
+
+@pytest.mark.parametrize("acceptance", ["rejection", "exact"])
+def test_chi_square_detects_an_argmax_bonus(small_vocab_models, tiny_tokenizer, monkeypatch, acceptance):
+    target, _, joint = small_vocab_models
+    if acceptance == "rejection":
+        monkeypatch.setattr(engine_module, "verify_rejection", argmax_bonus(engine_module.verify_rejection, 2))
+    else:
+        monkeypatch.setattr(engine_module, "verify_exact", argmax_bonus(engine_module.verify_exact, 1))
+    drafter = DraftModelDrafter(target, 32, 64)
+    counts = sampled_counts(target, tiny_tokenizer, drafter, acceptance=acceptance, k=1)
+    assert chi_square_p_value(counts, joint) < 1e-6
 
 
 def test_logprobs_with_speculation_equal_plain(make_tiny_model, tiny_tokenizer):

@@ -1,6 +1,7 @@
 """Token trees end to end on tiny models: greedy output identical to plain decoding for ngram and suffix
 trees (batch 1 and 4, all architectures, a Gemma 3 whose sliding window is crossed by the trees), with
-off-first-branch paths actually accepted and compacted; sampled requests verify chains only."""
+off-first-branch paths actually accepted and compacted; sampled requests verify trees under exact acceptance only
+(their output then equals plain seeded sampling: tests/engine/test_seeded_exact.py)."""
 import pytest
 
 from specdec.cache.kv_cache import KVCache
@@ -11,6 +12,7 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.drafters.tree import DraftTree
 from specdec.engine.engine import Engine, _verified_tree
+from specdec.verify.noise import RequestNoise
 from test_speculative import PROMPTS, run
 
 MODELS = [("llama", {}), ("qwen2", {}), ("gemma3", {}), ("gemma3", {"sliding_window": 3})]
@@ -109,24 +111,32 @@ def test_oracle_trees_accept_off_branch_paths_exactly(make_tiny_model, tiny_toke
     assert trees.metrics.mean_accepted_length > chains.metrics.mean_accepted_length + 1.0
 
 
-def test_sampled_requests_verify_chains_only(make_tiny_model, tiny_tokenizer, monkeypatch):
+def test_sampled_requests_verify_chains_under_rejection_sampling(make_tiny_model, tiny_tokenizer, monkeypatch):
     model = make_tiny_model("llama")
     spy = CompactionSpy(monkeypatch)
-    seqs, engine = run(model, tiny_tokenizer, TREE_PROMPTS, SamplingParams(temperature=1.0, seed=3, max_tokens=30),
-                       tree_drafter("ngram"))
+    engine = Engine(model, tiny_tokenizer, max_num_seqs=4, max_model_len=256, drafter=tree_drafter("ngram"),
+                    num_speculative_tokens=4, acceptance="rejection")
+    for prompt in TREE_PROMPTS:
+        engine.add_request(prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=30))
+    while engine.has_unfinished():
+        engine.step()
     assert spy.calls == 0 and engine.metrics.verify_steps > 0
     drafter = tree_drafter("ngram")
-    drafter.add_request("sampled", TREE_PROMPTS[0], SamplingParams(temperature=1.0), None)
+    drafter.add_request("sampled", TREE_PROMPTS[0], SamplingParams(temperature=1.0), RequestNoise(0, "rejection"))
+    drafter.add_request("exact", TREE_PROMPTS[0], SamplingParams(temperature=1.0), RequestNoise(0, "exact"))
     drafter.add_request("greedy", TREE_PROMPTS[0], SamplingParams(), None)
-    sampled, greedy = drafter.propose(["sampled", "greedy"], [4, 4])
-    assert sampled.tree is None and greedy.tree is not None
+    sampled, exact, greedy = drafter.propose(["sampled", "exact", "greedy"], [4, 4, 4])
+    assert sampled.tree is None and exact.tree is not None and greedy.tree is not None
 
 
-def test_engine_ignores_a_tree_for_sampled_requests(make_tiny_model, tiny_tokenizer):
-    engine = Engine(make_tiny_model("llama"), tiny_tokenizer, max_num_seqs=2, max_model_len=64)
+def test_the_engine_verifies_a_sampled_tree_only_under_exact_acceptance(make_tiny_model, tiny_tokenizer):
     draft = Draft((1, 2), None, DraftTree((1, 2, 3), (-1, 0, -1)))
-    assert _verified_tree(engine.add_request([1, 2], SamplingParams()), draft) is draft.tree
-    assert _verified_tree(engine.add_request([1, 2], SamplingParams(temperature=0.5)), draft) is None
+    for acceptance, verified in (("exact", True), ("rejection", False)):
+        engine = Engine(make_tiny_model("llama"), tiny_tokenizer, max_num_seqs=2, max_model_len=64,
+                        acceptance=acceptance)
+        assert _verified_tree(engine.add_request([1, 2], SamplingParams()), draft) is draft.tree
+        sampled = engine.add_request([1, 2], SamplingParams(temperature=0.5))
+        assert (_verified_tree(sampled, draft) is draft.tree) is verified
 
 
 def test_tree_nodes_stay_within_the_row_budget(make_tiny_model, tiny_tokenizer):

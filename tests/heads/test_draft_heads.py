@@ -15,6 +15,7 @@ from specdec.heads.config import HeadConfig, load_head, save_head, target_finger
 from specdec.heads.modules import TargetParts
 from specdec.models.layers import Linear
 from specdec.engine.engine import Engine
+from specdec.verify.noise import RequestNoise
 from specdec.train.data import TrainingSequence, generate_training_sequences
 from specdec.train.trainer import (Trainer, TrainSettings, chain_acceptance, draft_correctness, draft_vocabulary,
                                    pad_batch)
@@ -289,8 +290,8 @@ def prefilled_drafts(drafter, model, params, prompts=PROMPTS, k=5):
     batch = ForwardBatch.build(prompts, [0] * len(prompts), list(range(len(prompts))), all_logits=False)
     output = model.forward_hidden(batch, cache)
     for i, (prompt, hidden) in enumerate(zip(prompts, output.hidden.split(list(batch.row_counts)))):
-        generator = None if params.greedy else torch.Generator().manual_seed(i)
-        drafter.add_request(str(i), prompt, params, generator)
+        noise = None if params.greedy else RequestNoise(seed=i)
+        drafter.add_request(str(i), prompt, params, noise)
         drafter.observe_target_hidden(str(i), hidden)
         drafter.observe(str(i), [int(output.logits[i].argmax())])
     return drafter.propose([str(i) for i in range(len(prompts))], [k] * len(prompts))

@@ -6,7 +6,12 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.config import SamplingParams
-from specdec.verify.sampling import TOP_P_CANDIDATES, greedy_tokens, logits_to_probs, make_generator, sample
+from specdec.verify.sampling import (TOP_P_CANDIDATES, greedy_tokens, logits_to_probs, sample, sample_from_uniforms,
+                                     sample_token)
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
 def logits_from_probs(probs: list[float]) -> torch.Tensor:
@@ -77,21 +82,17 @@ def test_greedy_params_give_one_hot_of_argmax_first_on_ties() -> None:
 
 def test_seeded_generator_is_reproducible() -> None:
     probs = torch.full((64, 10), 0.1)  # [n, vocab]
-    first = sample(probs, make_generator(1234, "cpu"))
-    second = sample(probs, make_generator(1234, "cpu"))
-    other_seed = sample(probs, make_generator(4321, "cpu"))
+    first = sample(probs, make_generator(1234))
+    second = sample(probs, make_generator(1234))
+    other_seed = sample(probs, make_generator(4321))
     assert torch.equal(first, second)
     assert not torch.equal(first, other_seed)
-
-
-def test_unseeded_generators_differ() -> None:
-    assert make_generator(None, "cpu").initial_seed() != make_generator(None, "cpu").initial_seed()
 
 
 def test_sample_follows_probs_and_never_picks_zero_probability() -> None:
     target_probs = torch.tensor([0.5, 0.0, 0.2, 0.3])
     num_samples = 20_000
-    token_ids = sample(target_probs.expand(num_samples, -1), make_generator(7, "cpu"))  # [n]
+    token_ids = sample(target_probs.expand(num_samples, -1), make_generator(7))  # [n]
     counts = torch.bincount(token_ids, minlength=4).double()
     assert counts[1] == 0
     kept = [0, 2, 3]
@@ -101,10 +102,28 @@ def test_sample_follows_probs_and_never_picks_zero_probability() -> None:
 def test_sample_takes_unnormalized_rows_and_a_row_of_zeros_gives_token_0() -> None:
     weights = torch.tensor([0.0, 2.0, 0.0, 6.0, 0.0, 0.0])  # zeros first, between and last
     num_samples = 20_000
-    token_ids = sample(weights.expand(num_samples, -1), make_generator(11, "cpu"))  # [n]
+    token_ids = sample(weights.expand(num_samples, -1), make_generator(11))  # [n]
     counts = torch.bincount(token_ids, minlength=6).double()
     assert counts[[0, 2, 4, 5]].sum() == 0
     assert chisquare(counts[[1, 3]].numpy(), [num_samples / 4, 3 * num_samples / 4]).pvalue > 1e-3
-    assert sample(torch.zeros(3, 6), make_generator(0, "cpu")).tolist() == [0, 0, 0]
+    assert sample(torch.zeros(3, 6), make_generator(0)).tolist() == [0, 0, 0]
     nan_rows = torch.tensor([[float("nan")] * 6, [1.0, float("nan"), 1.0, 0.0, 0.0, 0.0]])
-    assert all(0 <= token < 6 for token in sample(nan_rows, make_generator(0, "cpu")).tolist())
+    assert all(0 <= token < 6 for token in sample(nan_rows, make_generator(0)).tolist())
+
+
+def test_the_draw_is_the_inverse_cumulative_distribution_at_the_uniform() -> None:
+    probs = torch.tensor([[0.25, 0.0, 0.5, 0.25]])  # cumulative 0.25, 0.25, 0.75, 1.0
+    uniforms = [0.0, 0.2499, 0.25, 0.7499, 0.75, 0.999999]
+    drawn = [int(sample_from_uniforms(probs, torch.tensor([u], dtype=torch.float64))[0]) for u in uniforms]
+    assert drawn == [0, 0, 2, 2, 3, 3]  # token 1 (probability 0) is never drawn
+
+
+def test_sample_token_is_a_pure_function_of_logits_params_and_uniform() -> None:
+    logits = torch.tensor([[1.0, 2.0, 0.5, 3.0, -1.0]])
+    params = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
+    probs = logits_to_probs(logits, params)  # [1, vocab]
+    for u in torch.linspace(0, 0.999, 50, dtype=torch.float64).tolist():
+        expected = int(sample_from_uniforms(probs, torch.tensor([u], dtype=torch.float64))[0])
+        assert sample_token(logits, params, u) == expected == sample_token(logits.clone(), params, u)
+    assert {sample_token(logits, params, u) for u in (0.0, 0.5, 0.99)} <= {1, 3}  # top-p keeps two of top-k's three
+    assert all(sample_token(logits, SamplingParams(), u) == 3 for u in (0.0, 0.5, 0.99))  # greedy: the argmax

@@ -9,14 +9,15 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.drafters.tree import DraftTree
+from specdec.verify.noise import RequestNoise
 
 
 @dataclass(frozen=True)
 class Draft:
     """The drafter's proposal for one request.
 
-    token_ids is always a chain: with a tree it is the tree's first branch, which is what a sampled
-    (temperature > 0) request verifies, since trees are greedy-only.
+    token_ids is always a chain: with a tree it is the tree's first branch, which is what a request verifies when
+    the engine does not verify its trees (`verifies_trees`).
     """
 
     token_ids: tuple[int, ...]  # k proposed tokens (k may be 0)
@@ -62,9 +63,11 @@ class Drafter(ABC):
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        generator: torch.Generator | None,
+        noise: RequestNoise | None,
     ) -> None:
-        """Start tracking a request; its sequence so far is the prompt."""
+        """Start tracking a request; its sequence so far is the prompt. noise: a sampled request's random
+        numbers (None for greedy requests); a drafter that samples draws its draft for output index t with
+        `noise.draft(t)`, output index 0 being the first token after the prompt."""
 
     @abstractmethod
     def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
@@ -83,6 +86,12 @@ class Drafter(ABC):
         drafting every step feeds (the draft policy weighs their cost against the request's remaining tokens).
         0 for drafters that keep no per-request model state (lookups) or whose catch-up is negligible."""
         return 0
+
+
+def verifies_trees(params: SamplingParams, noise: RequestNoise | None) -> bool:
+    """Whether the engine verifies a request's token trees: greedy requests (along the argmax), and sampled
+    requests under exact acceptance (along the target's seeded draws); rejection sampling verifies chains."""
+    return params.greedy or (noise is not None and noise.exact)
 
 
 def check_propose_args(request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> None:

@@ -11,7 +11,8 @@ draft model expands the chain's node and the b - 1 other nodes whose paths it fi
 the same forward (the chain in place in the draft cache, the others at scratch positions attending their own
 paths, so each row is its path decoded alone), and each adds its b most likely next tokens. The chain is exactly
 the chain draft; the other nodes follow it best first, weighed by their path probability, and the engine keeps
-those worth their verify rows. Sampled requests draft chains.
+those worth their verify rows. Sampled requests draft chains: each draft token is drawn with the request's
+draft number of its output index (verify/noise.py), plain decoding's own under exact acceptance.
 
 With draft_token_ids (`draft_vocab_size`), the draft model computes only those rows of its output layer (the
 first ids of a byte-level BPE vocabulary are its most frequent merges, plus the end-of-sequence tokens) and
@@ -38,7 +39,8 @@ from specdec.drafters.tree import check_tree_args
 from specdec.models.batch import ForwardBatch
 from specdec.models.layers import Linear
 from specdec.models.transformer import Transformer
-from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample
+from specdec.verify.noise import RequestNoise
+from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample_one
 
 STEADY_FEED = 2  # tokens a request drafting every step feeds at most before its draft: bonus + last draft token
 
@@ -47,8 +49,9 @@ STEADY_FEED = 2  # tokens a request drafting every step feeds at most before its
 class _DraftState:
     slot: int
     params: SamplingParams
-    generator: torch.Generator | None
+    noise: RequestNoise | None  # a sampled request's random numbers (None: greedy)
     token_ids: list[int]  # committed sequence (prompt + output)
+    prompt_length: int
     cached_token_ids: list[int] = field(default_factory=list)  # tokens with valid draft-cache entries, by position
     prefix_saved: bool = False  # its prompt's draft-cache entries went to the prefix store
     # the prefix store's match for token_ids while nothing is cached: (store version, len(token_ids), match length)
@@ -79,8 +82,9 @@ class DraftModelDrafter(Drafter):
         self.states: dict[str, _DraftState] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    generator: torch.Generator | None) -> None:
-        self.states[request_id] = _DraftState(self.cache.allocate(), params, generator, list(prompt_token_ids))
+                    noise: RequestNoise | None) -> None:
+        self.states[request_id] = _DraftState(self.cache.allocate(), params, noise, list(prompt_token_ids),
+                                              len(prompt_token_ids))
 
     def observe(self, request_id: str, token_ids: Sequence[int]) -> None:
         state = self.states[request_id]
@@ -135,8 +139,8 @@ class DraftModelDrafter(Drafter):
     def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
         states = [self.states[request_id] for request_id in request_ids]
         growths = [new_growth(len(state.token_ids), budget, state.params.greedy,
-                              lambda logits, state=state: self._draft_token(state, logits), self.num_branches,
-                              self.min_branch_prob, self.cache.max_len)
+                              lambda logits, depth, state=state: self._draft_token(state, logits, depth),
+                              self.num_branches, self.min_branch_prob, self.cache.max_len)
                    for state, budget in zip(states, max_draft_tokens)]
         # Depth 0 feeds every token the draft cache lacks; later depths feed each draft's newest rows.
         active = [i for i, budget in enumerate(max_draft_tokens) if budget > 0]
@@ -189,10 +193,14 @@ class DraftModelDrafter(Drafter):
         return logits
 
     @staticmethod
-    def _draft_token(state: _DraftState, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """logits [1, vocab] -> (draft token, its draft distribution [1, vocab] or None for greedy)."""
+    def _draft_token(state: _DraftState, logits: torch.Tensor, depth: int) -> tuple[int, torch.Tensor | None]:
+        """logits [1, vocab] at `depth` of the chain -> (draft token, its draft distribution [1, vocab] or None for
+        greedy). A sampled draft is the inverse cumulative distribution of the draft's processed probabilities at
+        the request's draft number of its output index: under exact acceptance plain decoding's u_t, so that the
+        draft lands on the target's draw whenever the two distributions agree around u_t."""
         if state.params.greedy:
             return int(greedy_tokens(logits)[0]), None
         probs = logits_to_probs(logits, state.params)  # [1, vocab]
-        return int(sample(probs, state.generator)[0]), probs
+        output_index = len(state.token_ids) - state.prompt_length + depth
+        return sample_one(probs, state.noise.draft(output_index)), probs
 

@@ -155,8 +155,9 @@ def chain_row(base: int, token_id: int, depth: int) -> TreeRows:
     return TreeRows((-1,), (-1,), (token_id,), (position,), (position,), (position + 1,), ((),))
 
 
-# (logits [1, vocab]) -> (draft token, its draft distribution [1, vocab] or None for a point mass)
-ChainStep = Callable[[torch.Tensor], tuple[int, torch.Tensor | None]]
+# (logits [1, vocab], depth) -> (draft token at that depth of the chain, its draft distribution [1, vocab] or None
+# for a point mass)
+ChainStep = Callable[[torch.Tensor, int], tuple[int, torch.Tensor | None]]
 
 
 @dataclass
@@ -210,7 +211,7 @@ class DraftGrowth:
     def _add(self, node: int, logits: torch.Tensor) -> None:
         """logits [1, draft vocab] of the chain's newest token, or of the tree node `node` (-1: the root)."""
         if self.tree is None:
-            token_id, probs = self.chain_step(logits)
+            token_id, probs = self.chain_step(logits, len(self.chain))
             self.chain.append(token_id)
             if probs is not None:
                 self.chain_probs.append(probs)

@@ -4,7 +4,9 @@ with its own KV cache) and Medusa (k independent heads on the last hidden state)
 Both keep, per request, the committed tokens and the target hidden rows not yet consumed; the engine hands
 over hidden(t) for every committed position t except the newest token's (HiddenStateDrafter). Draft
 probabilities (sampling) are the head's distribution over its draft vocabulary scattered into the full
-vocabulary, so rejection sampling stays exact; greedy drafts are point masses. The heads draft with frozen copies
+vocabulary, so rejection sampling stays exact, and a sampled draft token is drawn from it with the request's draft
+number of its output index (under exact acceptance plain decoding's own, verify/noise.py); greedy drafts are point
+masses. The heads draft with frozen copies
 of their linear maps in the target's weight format (q8 by default: our int8 kernel), not the fp32 training modules.
 """
 from __future__ import annotations
@@ -21,14 +23,16 @@ from specdec.drafters.growth import depth_batches, new_growth
 from specdec.drafters.tree import check_tree_args
 from specdec.models.batch import ForwardBatch
 from specdec.heads.modules import EagleHead, MedusaHeads, TargetParts
-from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample
+from specdec.verify.noise import RequestNoise
+from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample_one
 
 
 @dataclass
 class _HeadState:
     params: SamplingParams
-    generator: torch.Generator | None
+    noise: RequestNoise | None  # a sampled request's random numbers (None: greedy)
     token_ids: list[int]  # committed sequence (prompt + output)
+    prompt_length: int
     pending_hidden: list[torch.Tensor] = field(default_factory=list)  # each [n, hidden]: rows not yet consumed
     num_hidden: int = 0  # target hidden rows received = positions 0 .. num_hidden - 1
     consumed: int = 0  # hidden rows already consumed (EAGLE: pairs in the head's KV cache)
@@ -54,8 +58,8 @@ class HeadDrafter(HiddenStateDrafter):
         self.states: dict[str, _HeadState] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    generator: torch.Generator | None) -> None:
-        self.states[request_id] = _HeadState(params, generator, list(prompt_token_ids))
+                    noise: RequestNoise | None) -> None:
+        self.states[request_id] = _HeadState(params, noise, list(prompt_token_ids), len(prompt_token_ids))
 
     @property
     def weight_nbytes(self) -> int:
@@ -83,20 +87,24 @@ class HeadDrafter(HiddenStateDrafter):
         self._state(request_id)
         del self.states[request_id]
 
-    def _draft_tokens(self, states: list[_HeadState], hidden: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
-        """hidden [len(states), hidden] predicted states -> per state (draft token, draft probs [1, vocab] or None)."""
+    def _draft_tokens(self, states: list[_HeadState], hidden: torch.Tensor,
+                      depth: int) -> list[tuple[int, torch.Tensor | None]]:
+        """hidden [len(states), hidden] predicted states at `depth` -> per state (draft token, draft probs [1, vocab]
+        or None)."""
         logits = self.parts.draft_logits(hidden, self.draft_lm_head)  # [rows, draft vocab]
-        return [self._draft_token(state, logits[row : row + 1]) for row, state in enumerate(states)]
+        return [self._draft_token(state, logits[row : row + 1], depth) for row, state in enumerate(states)]
 
-    def _draft_token(self, state: _HeadState, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """logits [1, draft vocab] -> (target token id, its draft distribution over the full vocabulary or None)."""
+    def _draft_token(self, state: _HeadState, logits: torch.Tensor, depth: int) -> tuple[int, torch.Tensor | None]:
+        """logits [1, draft vocab] at `depth` of the draft -> (target token id, its draft distribution over the full
+        vocabulary or None). A sampled draft is the inverse cumulative distribution of the full-vocabulary draft
+        distribution (token id order, as the target's) at the request's draft number of its output index."""
         if state.params.greedy:
             return int(self.parts.draft_token_ids[int(greedy_tokens(logits)[0])]), None
         probs = logits_to_probs(logits, state.params)  # [1, draft vocab]
-        row = int(sample(probs, state.generator)[0])
-        full = torch.zeros(1, self.vocab_size, device=probs.device)
+        full = torch.zeros(1, self.vocab_size, device=probs.device)  # [1, vocab]
         full[0, self.parts.draft_token_ids] = probs[0]
-        return int(self.parts.draft_token_ids[row]), full
+        output_index = len(state.token_ids) - state.prompt_length + depth
+        return sample_one(full, state.noise.draft(output_index)), full
 
 
 def _drafts(drafted: list[list[int]], probs: list[list[torch.Tensor]]) -> list[Draft]:
@@ -126,8 +134,8 @@ class EagleDrafter(HeadDrafter):
         self.cache = KVCache(head.cache_config(), max_num_seqs, max_model_len, parts.draft_lm_head.device)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    generator: torch.Generator | None) -> None:
-        super().add_request(request_id, prompt_token_ids, params, generator)
+                    noise: RequestNoise | None) -> None:
+        super().add_request(request_id, prompt_token_ids, params, noise)
         self.states[request_id].slot = self.cache.allocate()
 
     def remove_request(self, request_id: str) -> None:
@@ -138,8 +146,8 @@ class EagleDrafter(HeadDrafter):
         check_propose_args(request_ids, max_draft_tokens)
         states = [self._state(request_id) for request_id in request_ids]
         growths = [new_growth(state.num_hidden, budget, state.params.greedy,
-                              lambda logits, state=state: self._draft_token(state, logits), self.num_branches,
-                              self.min_branch_prob, self.cache.max_len, self.parts.draft_token_ids)
+                              lambda logits, depth, state=state: self._draft_token(state, logits, depth),
+                              self.num_branches, self.min_branch_prob, self.cache.max_len, self.parts.draft_token_ids)
                    for state, budget in zip(states, max_draft_tokens)]
         active = [i for i, (state, budget) in enumerate(zip(states, max_draft_tokens)) if budget > 0 and state.pending_hidden]
         predicted = self._consume_pending([states[i] for i in active])  # [active, hidden]
@@ -207,7 +215,7 @@ class MedusaDrafter(HeadDrafter):
         for head in range(min(limit, max(max_draft_tokens[i] for i in active))):
             rows = [row for row, i in enumerate(active) if head < max_draft_tokens[i]]
             chosen = [states[active[row]] for row in rows]
-            for row, (token_id, token_probs) in zip(rows, self._draft_tokens(chosen, predicted[head, rows])):
+            for row, (token_id, token_probs) in zip(rows, self._draft_tokens(chosen, predicted[head, rows], head)):
                 drafted[active[row]].append(token_id)
                 if token_probs is not None:
                     probs[active[row]].append(token_probs)

@@ -5,22 +5,21 @@ their most recent earlier occurrence and propose the tokens that followed it. Th
 of every n-gram is kept in a dict updated as tokens arrive, so a step costs O(max - min + 1) lookups
 instead of a rescan of the sequence.
 
-With num_branches > 1 (greedy token trees) the drafter proposes up to num_branches branches: the chain
-first, then alternatives that leave it: at each depth d of the chain (shallowest first), the n-gram
-ending at sequence + chain[:d] is looked up again and the continuations of its other occurrences (longest
-n first, most recent first) whose first token differs from chain[d] become branches chain[:d] + continuation.
-Branches that repeat a prefix of an earlier branch add nothing and are skipped. The index then keeps the
-last 4 * num_branches end positions of every n-gram.
+With num_branches > 1 (token trees: greedy requests, and sampled ones under exact acceptance) the drafter proposes
+up to num_branches branches: the chain first, then alternatives that leave it: at each depth d of the chain
+(shallowest first), the n-gram ending at sequence + chain[:d] is looked up again and the continuations of its other
+occurrences (longest n first, most recent first) whose first token differs from chain[d] become branches chain[:d] +
+continuation. Branches that repeat a prefix of an earlier branch add nothing and are skipped. The index then keeps
+the last 4 * num_branches end positions of every n-gram.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from specdec.config import SamplingParams
-from specdec.drafters.base import Draft, Drafter, check_propose_args, unknown_request_error
+from specdec.drafters.base import Draft, Drafter, check_propose_args, unknown_request_error, verifies_trees
 from specdec.drafters.tree import check_tree_args, distinct_branches
+from specdec.verify.noise import RequestNoise
 
 _OCCURRENCES_PER_BRANCH = 4  # end positions kept per n-gram and branch (repeats give the same continuation)
 
@@ -117,12 +116,12 @@ class NgramDrafter(Drafter):
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        generator: torch.Generator | None,
+        noise: RequestNoise | None,
     ) -> None:
         if request_id in self._index_by_request:
             raise ValueError(f"request id {request_id!r} is already tracked by the ngram drafter")
         index = _NgramIndex(self.prompt_lookup_min, self.prompt_lookup_max,
-                            self.num_branches if params.greedy else 1)
+                            self.num_branches if verifies_trees(params, noise) else 1)
         index.extend(prompt_token_ids)
         self._index_by_request[request_id] = index
 

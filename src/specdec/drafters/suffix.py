@@ -21,11 +21,12 @@ Propose, per request, with budget B:
   probabilities (the expected number of accepted tokens under the empirical model). The own candidate is
   preferred; the cache candidate is used only when its score is strictly higher.
 
-With num_branches > 1 (greedy token trees), the chosen candidate's other continuations become branches:
-every child of a node on the candidate's path that is not the path's own token, ranked by its running
-probability (ties: shallower, then smaller token id), the best num_branches - 1 of those at or above
-min_token_prob, each then followed greedily like the candidate; then, when the candidate comes from the
-request's own trie, the greedy continuations of its suffixes shorter than the matched one (longest first).
+With num_branches > 1 (token trees: greedy requests, and sampled ones under exact acceptance), the chosen
+candidate's other continuations become branches: every child of a node on the candidate's path that is not the
+path's own token, ranked by its running probability (ties: shallower, then smaller token id), the best num_branches
+- 1 of those at or above min_token_prob, each then followed greedily like the candidate; then, when the candidate
+comes from the request's own trie, the greedy continuations of its suffixes shorter than the matched one (longest
+first).
 
 Memory: up to max_depth trie nodes per non-repeating token, in the own and in the cache trie, kept in flat
 lists (`_Trie`) rather than as one Python object per node, which the garbage collector would walk.
@@ -36,11 +37,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from specdec.config import SamplingParams
-from specdec.drafters.base import Draft, Drafter, check_propose_args, unknown_request_error
+from specdec.drafters.base import Draft, Drafter, check_propose_args, unknown_request_error, verifies_trees
 from specdec.drafters.tree import check_tree_args, distinct_branches
+from specdec.verify.noise import RequestNoise
 
 
 _EDGE_STRIDE = 1 << 32  # edge key = parent node * stride + token id (token ids < 2**32)
@@ -305,7 +305,7 @@ class SuffixDrafter(Drafter):
             raise ValueError(f"cache_requests must be >= 0, got {cache_requests}")
         check_tree_args(num_branches)
         self.num_branches = num_branches
-        self._greedy_request_ids: set[str] = set()
+        self._tree_request_ids: set[str] = set()  # requests whose trees the engine verifies
         self.max_depth = max_depth
         self.min_token_prob = min_token_prob
         # a finished request's output goes to the cache with this many of its prompt's last tokens, so that the
@@ -323,13 +323,13 @@ class SuffixDrafter(Drafter):
         request_id: str,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        generator: torch.Generator | None,
+        noise: RequestNoise | None,
     ) -> None:
         if request_id in self._trie_by_request:
             raise ValueError(f"request id {request_id!r} is already tracked by the suffix drafter")
         self._trie_by_request[request_id] = _RequestTrie(self.max_depth, prompt_token_ids)
-        if params.greedy:
-            self._greedy_request_ids.add(request_id)
+        if verifies_trees(params, noise):
+            self._tree_request_ids.add(request_id)
 
     def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
         check_propose_args(request_ids, max_draft_tokens)
@@ -342,7 +342,7 @@ class SuffixDrafter(Drafter):
         own_candidate = trie.propose(max_tokens, self.min_token_prob)
         cache_candidate = self._cache.propose(trie.token_ids, max_tokens, self.min_token_prob)
         best = cache_candidate if cache_candidate.score > own_candidate.score else own_candidate
-        if self.num_branches == 1 or request_id not in self._greedy_request_ids or not best.token_ids:
+        if self.num_branches == 1 or request_id not in self._tree_request_ids or not best.token_ids:
             return Draft(token_ids=best.token_ids, draft_probs=None)
         source = trie.trie if best is own_candidate else self._cache.trie
         others = source.other_branches(best, max_tokens, self.min_token_prob, self.num_branches - 1)
@@ -356,7 +356,7 @@ class SuffixDrafter(Drafter):
     def remove_request(self, request_id: str) -> None:
         trie = self._trie(request_id)
         del self._trie_by_request[request_id]
-        self._greedy_request_ids.discard(request_id)
+        self._tree_request_ids.discard(request_id)
         self._cache.add(request_id, tuple(trie.token_ids[max(0, trie.prompt_length - self.cached_prompt_tail):]))
 
     def _trie(self, request_id: str) -> _RequestTrie:

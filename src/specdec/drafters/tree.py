@@ -6,8 +6,10 @@ The nodes of the first branch are nodes 0, 1, ..., so node d of the first branch
 first branch is the request's chain draft (``Draft.token_ids``), and the tree's other branches add nodes
 after it. A chain is the tree whose nodes are all on the first branch.
 
-Trees are greedy-only: the greedy verifier follows, from the root, the child whose token equals the
-target's argmax (verify.tree.verify_greedy_tree). Sampled requests verify the first branch as a chain.
+The verifier follows, from the root, the child whose token equals the target's own token at that node: its
+argmax for greedy requests (verify.tree.verify_greedy_tree), its seeded draw for sampled requests under exact
+acceptance (verify.exact.verify_exact_tree). Sampled requests under rejection sampling verify the first branch
+as a chain.
 """
 from __future__ import annotations
 
@@ -64,6 +66,11 @@ class DraftTree:
     @property
     def num_nodes(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def depth(self) -> int:
+        """The longest branch's length: the draft positions the tree covers."""
+        return max(self.depths(), default=-1) + 1
 
     def depths(self) -> list[int]:
         """[nodes] depth of each node; a root child has depth 0."""

@@ -5,11 +5,17 @@ contributes its last token plus its draft tokens (none when it does not speculat
 the logits into accepted drafts plus one recovered or bonus token; rejected positions are rolled back by
 simply not advancing the sequence's cache length (the cache is indexed by position).
 
-Greedy sequences may verify a token tree instead of a chain (Draft.tree): its nodes are written at scratch
-cache positions after the last token, the verifier walks the tree along the target's argmax, and the
-accepted path is compacted into consecutive cache positions. The draft length k bounds each branch's
-depth; the tree's node count is capped by the sequence's share of max_verify_tokens rows
-(max_verify_tokens // batch size - 1, at least k). Sampled sequences verify the first branch as a chain.
+Sampled sequences draw every token with a counter-based random number keyed by (seed, output index)
+(verify/noise.py). Under exact acceptance (the default) the verifier emits the target's own draw at every
+position (verify/exact.py), so a seeded request's output is plain seeded sampling's whatever the batch, the
+draft length or the drafter; under rejection acceptance it runs rejection sampling (verify/rejection.py).
+
+A sequence may verify a token tree instead of a chain (Draft.tree; greedy sequences, and sampled ones under
+exact acceptance): its nodes are written at scratch cache positions after the last token, the verifier walks
+the tree along the target's argmax or seeded draws, and the accepted path is compacted into consecutive cache
+positions. The draft length k bounds each branch's depth; the tree's node count is capped by the sequence's
+share of max_verify_tokens rows (max_verify_tokens // batch size - 1, at least k). Sequences under rejection
+acceptance verify the first branch as a chain.
 """
 from __future__ import annotations
 
@@ -21,8 +27,8 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.cache.prefix_store import PrefixCache
-from specdec.config import SamplingParams
-from specdec.drafters.base import Draft, Drafter, HiddenStateDrafter
+from specdec.config import ACCEPTANCE_METHODS, DEFAULT_ACCEPTANCE, SamplingParams
+from specdec.drafters.base import Draft, Drafter, HiddenStateDrafter, verifies_trees
 from specdec.drafters.tree import DraftTree
 from specdec.models.batch import ForwardBatch
 from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy, StepCost
@@ -30,9 +36,11 @@ from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence, TokenKind, new_sequence
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
-from specdec.verify.rejection import VerifyResult, verify_greedy, verify_rejection
+from specdec.verify.exact import verify_exact, verify_exact_tree
+from specdec.verify.noise import NoiseStream, RequestNoise, random_seed
+from specdec.verify.rejection import RejectionUniforms, VerifyResult, verify_greedy, verify_rejection
 from specdec.verify.tree import TreeVerifyResult, verify_greedy_tree
-from specdec.verify.sampling import greedy_tokens, logits_to_probs, make_generator, sample
+from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample_token
 
 EMPTY_DRAFT = Draft(token_ids=(), draft_probs=None)
 
@@ -87,12 +95,17 @@ class Engine:
         draft_policy: DraftLengthPolicy | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         prefix_cache_tokens: int = 0,
+        acceptance: str = DEFAULT_ACCEPTANCE,
     ) -> None:
         """kv_cache_dtype: torch.float32 or torch.float16; None = the model's default (`Transformer.kv_cache_dtype`).
         prefix_cache_tokens: tokens of earlier requests' keys/values kept for reuse by prompts that start with them
         (0: no prefix cache). prefill_chunk: prompt tokens per step while other sequences decode (it bounds their
         stall); idle_prefill_chunk: per step while none does (one forward for most prompts: each forward streams the
-        weights once more, a 700-token Gemma-3-270M prompt took 409 ms in two chunks, 397 ms in one)."""
+        weights once more, a 700-token Gemma-3-270M prompt took 409 ms in two chunks, 397 ms in one).
+        acceptance: how sampled requests verify drafts, "exact" or "rejection" (SpeculativeConfig.acceptance)."""
+        if acceptance not in ACCEPTANCE_METHODS:
+            raise ValueError(f"acceptance must be one of {', '.join(map(repr, ACCEPTANCE_METHODS))}, "
+                             f"got {acceptance!r}")
         if prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         if drafter is not None and num_speculative_tokens < 1:
@@ -107,6 +120,7 @@ class Engine:
         self._hidden_drafter = drafter if isinstance(drafter, HiddenStateDrafter) else None
         self.draft_policy = draft_policy or BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)
         self.max_verify_tokens = max_verify_tokens
+        self.acceptance = acceptance
         self.prefill_chunk = prefill_chunk
         self.idle_prefill_chunk = max(idle_prefill_chunk, prefill_chunk)
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -117,10 +131,18 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     speculative: bool = True) -> Sequence:
+        """Queues a request. request_id: unique among the unfinished requests (an id in use is refused before
+        anything is created); None takes the next free number. A sampled request without a seed gets a random one."""
         if request_id is None:
+            while self.has_request(str(self._next_id)):
+                self._next_id += 1
             request_id, self._next_id = str(self._next_id), self._next_id + 1
-        generator = None if params.greedy else make_generator(params.seed, self.model.device)
-        seq = new_sequence(request_id, prompt_token_ids, params, self.tokenizer, self.max_model_len, generator,
+        elif self.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request; "
+                             "request ids must be unique")
+        noise = None if params.greedy else RequestNoise(random_seed() if params.seed is None else params.seed,
+                                                         self.acceptance)
+        seq = new_sequence(request_id, prompt_token_ids, params, self.tokenizer, self.max_model_len, noise,
                            speculative=speculative and self.drafter is not None)
         self.waiting.append(seq)
         return seq
@@ -137,6 +159,10 @@ class Engine:
                 self._release(seq)
                 return True
         return False
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether an unfinished (waiting or running) request has this id."""
+        return any(seq.request_id == request_id for seq in (*self.waiting, *self.running))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -193,7 +219,7 @@ class Engine:
                                                                                  seq.prompt_token_ids)
         if seq.speculative:
             start = time.perf_counter()
-            self.drafter.add_request(seq.request_id, seq.prompt_token_ids, seq.params, seq.generator)
+            self.drafter.add_request(seq.request_id, seq.prompt_token_ids, seq.params, seq.noise)
             seq.metrics.draft_time_s += time.perf_counter() - start
         return seq
 
@@ -207,10 +233,10 @@ class Engine:
                           token_logprobs(logits, [token_id], seq.params.logprobs), seq.cached_prompt_tokens)
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """logits [1, vocab] -> one token, exactly as plain decoding samples it."""
+        """logits [1, vocab] -> one token, exactly as plain decoding samples it (with u of the next output index)."""
         if seq.params.greedy:
             return int(greedy_tokens(logits)[0])
-        return int(sample(logits_to_probs(logits, seq.params), seq.generator)[0])
+        return sample_token(logits, seq.params, seq.noise.target(len(seq.output_token_ids)))
 
     def _decode_step(self, seqs: list[Sequence]) -> list[StepOutput]:
         start = time.perf_counter()
@@ -299,13 +325,23 @@ class Engine:
 
     def _verify(self, seq: Sequence, draft: Draft, tree: DraftTree | None,
                 target_logits: torch.Tensor) -> VerifyResult | TreeVerifyResult:
-        """target_logits [k+1, vocab] for a chain, [nodes+1, vocab] for a tree."""
+        """target_logits [k+1, vocab] for a chain, [nodes+1, vocab] for a tree. The first draft position is output
+        index len(seq.output_token_ids): the random numbers of a sampled request are taken from there on."""
+        start = len(seq.output_token_ids)
         if tree is not None:
-            return verify_greedy_tree(tree, target_logits)
+            if seq.params.greedy:
+                return verify_greedy_tree(tree, target_logits)
+            return verify_exact_tree(tree, target_logits, seq.params,
+                                     seq.noise.uniforms(NoiseStream.TARGET, start, tree.depth + 1))
         if seq.params.greedy:
             return verify_greedy(draft.token_ids, target_logits)
+        num_drafted = len(draft.token_ids)
+        if seq.noise.exact:
+            return verify_exact(draft.token_ids, target_logits, seq.params,
+                                seq.noise.uniforms(NoiseStream.TARGET, start, num_drafted + 1))
         target_probs = logits_to_probs(target_logits, seq.params)  # [k+1, vocab]
-        return verify_rejection(draft.token_ids, draft.draft_probs, target_probs, seq.generator)
+        uniforms = _rejection_uniforms(seq.noise, start, num_drafted)
+        return verify_rejection(draft.token_ids, draft.draft_probs, target_probs, uniforms)
 
     def _commit(self, seq: Sequence, result: VerifyResult | TreeVerifyResult, step_times,
                 target_logits: torch.Tensor) -> StepOutput:
@@ -365,8 +401,19 @@ class Engine:
 
 
 def _verified_tree(seq: Sequence, draft: Draft) -> DraftTree | None:
-    """The tree to verify for a sequence: greedy sequences only (trees are greedy-only), else None."""
-    return draft.tree if seq.params.greedy and draft.tree is not None else None
+    """The tree to verify for a sequence: greedy sequences and sampled ones under exact acceptance
+    (drafters.base.verifies_trees), else None (the first branch is verified as a chain)."""
+    return draft.tree if draft.tree is not None and verifies_trees(seq.params, seq.noise) else None
+
+
+def _rejection_uniforms(noise: RequestNoise, start: int, num_drafted: int) -> RejectionUniforms:
+    """Rejection sampling's numbers for draft positions at output indices start .. start + k - 1: acceptance
+    tests and recovered draws from their own streams, the bonus from the target's (plain decoding's u_t)."""
+    return RejectionUniforms(
+        accept=torch.tensor(noise.uniforms(NoiseStream.ACCEPT, start, num_drafted), dtype=torch.float64),  # [k]
+        recover=torch.tensor(noise.uniforms(NoiseStream.RESIDUAL, start, num_drafted), dtype=torch.float64),  # [k]
+        bonus=noise.target(start + num_drafted),
+    )
 
 
 def _emitted_rows(result: VerifyResult | TreeVerifyResult, per_row: torch.Tensor) -> torch.Tensor:

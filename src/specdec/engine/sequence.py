@@ -4,11 +4,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from specdec.config import SamplingParams
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from specdec.verify.noise import RequestNoise
 
 
 class TokenKind(str, enum.Enum):
@@ -25,7 +24,7 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    noise: RequestNoise | None  # a sampled request's random numbers by output index; None for greedy requests
     detokenizer: IncrementalDetokenizer
     eos_token_ids: frozenset[int]
     max_model_len: int
@@ -105,7 +104,7 @@ class Sequence:
 
 
 def new_sequence(request_id: str, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 max_model_len: int, generator: torch.Generator | None, speculative: bool) -> Sequence:
+                 max_model_len: int, noise: RequestNoise | None, speculative: bool) -> Sequence:
     if not prompt_token_ids:
         raise ValueError("the prompt is empty (no tokens)")
     if len(prompt_token_ids) + 1 > max_model_len:
@@ -121,7 +120,7 @@ def new_sequence(request_id: str, prompt_token_ids: list[int], params: SamplingP
         request_id=request_id,
         prompt_token_ids=list(prompt_token_ids),
         params=params,
-        generator=generator,
+        noise=noise,
         detokenizer=IncrementalDetokenizer(tokenizer),
         eos_token_ids=tokenizer.eos_token_ids,
         max_model_len=max_model_len,

@@ -82,9 +82,9 @@ class HiddenRecorder(HiddenStateDrafter):
         self.inner = inner
         self.rows: dict[str, list[torch.Tensor]] = {}
 
-    def add_request(self, request_id, prompt_token_ids, params, generator) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, noise) -> None:
         self.rows[request_id] = []
-        self.inner.add_request(request_id, prompt_token_ids, params, generator)
+        self.inner.add_request(request_id, prompt_token_ids, params, noise)
 
     def propose(self, request_ids, max_draft_tokens):
         return self.inner.propose(request_ids, max_draft_tokens)

@@ -10,9 +10,14 @@ Glossary
                     distribution normalize(max(target - draft, 0)).
   bonus token       the extra token sampled from target_probs[k] when all k draft tokens are accepted.
 
+  uniforms          the random numbers a step uses (RejectionUniforms): one acceptance test and one
+                    recovered-token draw per draft position, one bonus draw; the engine takes them from the
+                    request's counter-based streams (verify/noise.py), so verification is a pure function.
+
 Every verify step therefore emits accepted_count + 1 tokens, and k = 0 degenerates to plain decoding.
 Rejection sampling (Leviathan et al. 2023, Chen et al. 2023) makes the emitted tokens distributed
-exactly as if sampled from the target alone.
+exactly as if sampled from the target alone. Exact acceptance (verify/exact.py) is the other sampled
+verifier: it emits plain decoding's own draws.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.verify.sampling import greedy_tokens, sample
+from specdec.verify.sampling import greedy_tokens, sample_one
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,20 @@ class VerifyResult:
     def bonus(self) -> bool:
         """True when every draft token was accepted, so the last token is the bonus token."""
         return self.accepted_count == self.num_drafted
+
+
+@dataclass(frozen=True)
+class RejectionUniforms:
+    """The uniform numbers in [0, 1) one rejection-sampling verify step of k draft tokens uses."""
+
+    accept: torch.Tensor  # [k] fp64: draft i is accepted when accept[i] * draft_prob < target_prob
+    recover: torch.Tensor  # [k] fp64: the recovered token's draw when draft i is the first rejected one
+    bonus: float  # the bonus token's draw after all k drafts are accepted
+
+    def __post_init__(self) -> None:
+        if self.accept.shape != self.recover.shape or self.accept.dim() != 1:
+            raise ValueError(f"RejectionUniforms.accept and .recover must both be [k], got shapes "
+                             f"{tuple(self.accept.shape)} and {tuple(self.recover.shape)}")
 
 
 def verify_greedy(draft_token_ids: Sequence[int], target_logits: torch.Tensor) -> VerifyResult:
@@ -76,7 +95,7 @@ def verify_rejection(
     draft_token_ids: Sequence[int],
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    generator: torch.Generator,
+    uniforms: RejectionUniforms,
 ) -> VerifyResult:
     """Lossless speculative sampling.
 
@@ -86,22 +105,30 @@ def verify_rejection(
     the one-hot of x_i as draft distribution: acceptance probability target_probs[i, x_i], residual = the
     target with x_i removed, renormalized.
 
-    draft_probs [k, vocab] or None; target_probs [k+1, vocab].
+    draft_probs [k, vocab] or None; target_probs [k+1, vocab]; uniforms: k acceptance tests, k recovered draws,
+    one bonus draw (independent of each other and of the draws that chose the drafts).
     """
     num_drafted = len(draft_token_ids)
     _check_target_rows(target_probs, num_drafted, "target_probs")
     vocab_size = target_probs.shape[1]
     _check_draft(draft_token_ids, draft_probs, vocab_size)
+    if uniforms.accept.shape[0] != num_drafted:
+        raise ValueError(f"uniforms cover {uniforms.accept.shape[0]} draft positions, the draft has {num_drafted}")
     draft_ids = torch.tensor(list(draft_token_ids), dtype=torch.long, device=target_probs.device)  # [k]
     full_draft_probs = _draft_distribution(draft_ids, draft_probs, vocab_size, target_probs.dtype)  # [k, vocab]
-    accepted_count = _count_accepted(draft_ids, full_draft_probs, target_probs, generator)
+    accepted_count = _count_accepted(draft_ids, full_draft_probs, target_probs, uniforms.accept)
     if accepted_count == num_drafted:
-        final_probs = target_probs[num_drafted]  # [vocab], bonus
+        final_token_id = bonus_token(target_probs[num_drafted], uniforms.bonus)
     else:
-        final_probs = residual_probs(target_probs[accepted_count], full_draft_probs[accepted_count])  # [vocab]
-    final_token_id = int(sample(final_probs.unsqueeze(0), generator)[0])
+        residual = residual_probs(target_probs[accepted_count], full_draft_probs[accepted_count])  # [vocab]
+        final_token_id = sample_one(residual, float(uniforms.recover[accepted_count]))
     token_ids = (*draft_token_ids[:accepted_count], final_token_id)
     return VerifyResult(accepted_count=accepted_count, num_drafted=num_drafted, token_ids=tuple(token_ids))
+
+
+def bonus_token(target_probs: torch.Tensor, uniform: float) -> int:
+    """The bonus token: the target's own draw after a fully accepted draft. target_probs [vocab]."""
+    return sample_one(target_probs, uniform)
 
 
 def _draft_distribution(
@@ -114,17 +141,18 @@ def _draft_distribution(
 
 
 def _count_accepted(
-    draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator
+    draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, accept_uniforms: torch.Tensor
 ) -> int:
-    """Length of the accepted prefix: draft i is accepted when u_i * draft < target, u_i ~ U[0, 1)."""
+    """Length of the accepted prefix: draft i is accepted when u_i * draft < target, u_i = accept_uniforms[i]
+    ~ U[0, 1) (compared in fp64)."""
     num_drafted = draft_ids.shape[0]
     if num_drafted == 0:
         return 0
     positions = torch.arange(num_drafted, device=draft_ids.device)  # [k]
-    target_at_draft = target_probs[positions, draft_ids]  # [k]
-    draft_at_draft = draft_probs[positions, draft_ids]  # [k]
-    uniforms = torch.rand(num_drafted, generator=generator, device=draft_ids.device, dtype=target_probs.dtype)
-    accepted = uniforms * draft_at_draft < target_at_draft  # [k]; = P(accept) min(1, target / draft)
+    target_at_draft = target_probs[positions, draft_ids].double()  # [k]
+    draft_at_draft = draft_probs[positions, draft_ids].double()  # [k]
+    uniforms = accept_uniforms.to(device=draft_ids.device, dtype=torch.float64)  # [k]
+    accepted = uniforms * draft_at_draft < target_at_draft  # [k]; P(accept) = min(1, target / draft)
     return int(torch.cumprod(accepted.to(torch.int32), dim=0).sum())
 
 

@@ -1,7 +1,9 @@
 """Logits to probabilities and token sampling, shared by the target and the draft side.
 
 The same ``logits_to_probs`` must shape both distributions: rejection sampling is only lossless
-against the distribution the target would have sampled from without speculation.
+against the distribution the target would have sampled from without speculation, and exact acceptance
+(verify/exact.py) compares a draft with the token plain decoding draws (``sample_token``), which a sampling
+drafter predicts best by drawing from its own processed distribution with the same uniform number.
 """
 from __future__ import annotations
 
@@ -93,29 +95,43 @@ def _prefix_among(probs: torch.Tensor, candidates: int, top_p: float) -> tuple[t
     return keep, (mass_before[:, -1] + top_probs[:, -1]) >= top_p
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row, drawn with probability proportional to probs. probs [n, vocab] -> ids [n].
+def sample_from_uniforms(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row, the inverse of the row's cumulative distribution at its uniform number.
+    probs [n, vocab], uniforms [n] in [0, 1) -> ids [n].
 
-    probs: non-negative, not necessarily normalized. The inverse of each row's cumulative distribution (fp64) at
-    one uniform number per row: a zero-probability token is never chosen, and a row of zeros gives token 0.
+    probs: non-negative, not necessarily normalized. The cumulative sums run in fp64 over the vocabulary in id
+    order, so the token is a pure function of (probs, uniform): a zero-probability token is never chosen, and a
+    row of zeros gives token 0. Uniform numbers spread evenly over [0, 1) give each token its probability.
     (The exponential race argmax(probs / Exp(1)) used before drew vocab-many random numbers per row: 7.5 ms per
     token over Gemma-3's 262 144 entries on this CPU, against 0.5 ms for the cumulative sums.)
     """
     cumulative = torch.cumsum(probs.double(), dim=-1)  # [n, vocab]
     total = cumulative[:, -1:].contiguous()  # [n, 1]
-    uniform = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)  # [n, 1]
-    ids = torch.searchsorted(cumulative, uniform * total, right=True)  # [n, 1]: first cumulative above the draw
+    points = uniforms.to(device=probs.device, dtype=torch.float64).reshape(-1, 1) * total  # [n, 1]
+    ids = torch.searchsorted(cumulative, points, right=True)  # [n, 1]: first cumulative above the draw
     # the draw can round up to the total: the last token that raised the sum is then the one
     last_positive = torch.searchsorted(cumulative, total, right=False)  # [n, 1]
     # a row with NaN (logits divided by a temperature so small that they overflow) still gives a token id
     return torch.minimum(ids, last_positive).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
-    """A generator on ``device``; seed None draws a non-deterministic seed."""
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """sample_from_uniforms with one uniform number per row from a torch generator. probs [n, vocab] -> ids [n]."""
+    uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device, dtype=torch.float64)  # [n]
+    return sample_from_uniforms(probs, uniforms)
+
+
+def sample_one(probs: torch.Tensor, uniform: float) -> int:
+    """sample_from_uniforms for one row: probs [1, vocab] or [vocab], one uniform number -> one token id."""
+    return int(sample_from_uniforms(probs.reshape(1, -1), torch.tensor([uniform], dtype=torch.float64))[0])
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, uniform: float) -> int:
+    """The token plain decoding draws from one position's logits [1, vocab] with its uniform number u_t
+    (verify.noise): the argmax for greedy params, else the inverse cumulative distribution of
+    logits_to_probs at u_t. Plain decoding and exact speculative verification both call this, on one row
+    at a time, so that the same row of logits gives the same token bit for bit.
+    """
+    if params.greedy:
+        return int(greedy_tokens(logits)[0])
+    return sample_one(logits_to_probs(logits, params), uniform)

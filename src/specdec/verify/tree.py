@@ -9,7 +9,8 @@ Glossary (as in verify/rejection.py, for trees)
   recovered token   the target's argmax where the walk stops at a node that has children.
   bonus token       the target's argmax after a leaf (a whole branch accepted).
 
-Trees are greedy-only: the emitted tokens are the argmax chain, exactly what plain greedy decoding emits.
+The emitted tokens are the argmax chain, exactly what plain greedy decoding emits. Sampled requests under exact
+acceptance walk trees the same way along the target's seeded draws (verify/exact.py: verify_exact_tree).
 """
 from __future__ import annotations
 
@@ -53,8 +54,11 @@ def verify_greedy_tree(tree: DraftTree, target_logits: torch.Tensor) -> TreeVeri
         )
     target_token_ids = greedy_tokens(target_logits).tolist()  # [nodes + 1]
     path = tree.accepted_path(lambda node, depth: target_token_ids[node + 1])
+    return tree_result(tree, path, target_token_ids[(path[-1] if path else -1) + 1])
+
+
+def tree_result(tree: DraftTree, path: list[int], final_token_id: int) -> TreeVerifyResult:
+    """The result of a walk that accepted `path` and ends with the target's token after its last node."""
     node = path[-1] if path else -1
-    has_children = set(tree.parents)
-    tokens = (*(tree.token_ids[n] for n in path), target_token_ids[node + 1])
-    depth = max(tree.depths(), default=-1) + 1
-    return TreeVerifyResult(tuple(path), depth, tokens, bonus=node not in has_children)
+    tokens = (*(tree.token_ids[n] for n in path), final_token_id)
+    return TreeVerifyResult(tuple(path), tree.depth, tokens, bonus=node not in set(tree.parents))
