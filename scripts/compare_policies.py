@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Compare this checkout's adaptive draft policy with another version of `specdec/engine/adaptive.py`, in one process.
+"""Compare this checkout's adaptive draft policy with another version of `specdec/engine/draft_length/adaptive.py`
+(`specdec/engine/adaptive.py` before the draft_length package), in one process.
 
 Plain decoding, the current policy and the other one run on the same prompts, interleaved per prompt (the order
 alternating), so the machine's drift between processes does not enter the comparison. Prints per category the
 speed-up of each policy over plain decoding (median per request, and total tokens / total time) and whether every
 output equals plain decoding's.
 
-    git show REV:src/specdec/engine/adaptive.py > /tmp/adaptive_other.py
+    git show REV:src/specdec/engine/draft_length/adaptive.py > /tmp/adaptive_other.py
     .venv/bin/python scripts/compare_policies.py --other /tmp/adaptive_other.py --model gemma-3-270m \\
         --spec '{"method": "ngram", "num_speculative_tokens": 16}' --dataset ../shared/data/spec_bench_dev.jsonl \\
         --categories qa --limit 40
@@ -36,7 +37,7 @@ def main() -> int:
     from specdec.llm import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--other", required=True, help="another version of specdec/engine/adaptive.py")
+    parser.add_argument("--other", required=True, help="another version of specdec/engine/draft_length/adaptive.py")
     parser.add_argument("--model", required=True)
     parser.add_argument("--spec", required=True, help="speculative config (JSON)")
     parser.add_argument("--dataset", action="append", required=True, help="Spec-Bench / HumanEval JSONL (repeatable)")

@@ -11,8 +11,8 @@ from specdec.cache.kv_cache import kv_cache_dtype as kv_dtype
 from specdec.config import DEFAULT_ACCEPTANCE, SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Drafter
 from specdec.drafters.factory import build_drafter
-from specdec.engine.adaptive import build_draft_policy
-from specdec.engine.draft_policy import DraftLengthPolicy
+from specdec.engine.draft_length.adaptive import build_draft_policy
+from specdec.engine.draft_length.policy import DraftLengthPolicy
 from specdec.engine.engine import Engine, StepOutput
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence as EngineSequence
@@ -93,8 +93,7 @@ class LLM:
             return list(prompt)  # token ids (an empty list is refused by the engine: the prompt is empty)
         if chat or isinstance(prompt, list):
             messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode_chat(messages)
         return self.tokenizer.encode(prompt)
 
     def generate(

@@ -255,7 +255,7 @@ def measured_ridge() -> tuple[float, str]:
     """This machine's fp32 matmul FLOP/s over its read bandwidth (a rough ridge point)."""
     import torch
 
-    from specdec.engine.cost_model import read_bandwidth_gbs
+    from specdec.engine.draft_length.measure import read_bandwidth_gbs
 
     a = torch.randn(1024, 1024)
     a @ a
@@ -327,8 +327,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from specdec.engine.cost_model import (MAX_PROFILE_ROWS, ProfileKey, load_or_measure, measure_cost_profile,
-                                           save_profile)
+    from specdec.engine.draft_length.costs import MAX_PROFILE_ROWS
+    from specdec.engine.draft_length.measure import measure_cost_profile
+    from specdec.engine.draft_length.profile_store import ProfileKey, load_or_measure, save_profile
     from specdec.runtime import configure_threads, load_model
 
     if args.batch < 1 or args.max_k < 0 or (args.alpha is not None and not 0 <= args.alpha <= 1):

@@ -7,7 +7,6 @@ from specdec.datasets import HUMANEVAL_CATEGORY, load_questions
 from specdec.bench.methods import Generation, Runner, parse_methods, split_methods
 from specdec.bench.report import OVERALL, build_results
 from specdec.bench.runner import check_lossless, first_difference, run_round
-from specdec.models.tokenizer import encode_chat
 
 
 def test_split_methods_keeps_json_commas():
@@ -102,8 +101,8 @@ def test_each_runner_sees_its_own_previous_answer(tiny_tokenizer, tmp_path):
     plain = ScriptedRunner("none", None, tiny_tokenizer.encode("AAAA", add_special_tokens=False))
     other = ScriptedRunner("fast", "none", tiny_tokenizer.encode("AABB", add_special_tokens=False))
     records = run_round(0, questions, [plain, other], tiny_tokenizer, 8, NullProgress())
-    assert plain.prompts[0] == other.prompts[0] == encode_chat(tiny_tokenizer, [{"role": "user", "content": "first?"}])
-    assert plain.prompts[1] == encode_chat(tiny_tokenizer, [{"role": "user", "content": "first?"},
+    assert plain.prompts[0] == other.prompts[0] == tiny_tokenizer.encode_chat([{"role": "user", "content": "first?"}])
+    assert plain.prompts[1] == tiny_tokenizer.encode_chat([{"role": "user", "content": "first?"},
                                                             {"role": "assistant", "content": "AAAA"},
                                                             {"role": "user", "content": "second?"}])
     assert "AABB" in tiny_tokenizer.decode(other.prompts[1])

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from specdec.config import SamplingParams
-from specdec.engine.adaptive import AcceptanceEstimate, AdaptiveDraftPolicy, PopulationPrior, build_draft_policy
-from specdec.engine.cost_model import CostCalibration, CostModel, DrafterCost, ForwardCosts
-from specdec.engine.draft_policy import BatchDraftPolicy, StepCost
+from specdec.engine.draft_length.adaptive import AcceptanceEstimate, AdaptiveDraftPolicy, PopulationPrior, build_draft_policy
+from specdec.engine.draft_length.costs import CostCalibration, CostModel, DrafterCost, ForwardCosts
+from specdec.engine.draft_length.policy import BatchDraftPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import new_sequence
 
@@ -491,7 +491,8 @@ def test_catch_up_cost_is_measured_from_the_steps_that_catch_up(tiny_tokenizer):
 # ---- T(n) learned from the steps (ProfileLearner): choices stay sound while the curve is learned --------------
 def learning_policy(true_cost, k=16):
     """A policy over a profile measured on a FakeMachine costing true_cost(rows, context) (8 s budget, fake clock)."""
-    from specdec.engine.cost_model import ProfileLearner, profile_costs
+    from specdec.engine.draft_length.measure import profile_costs
+    from specdec.engine.draft_length.profile_store import ProfileLearner
     from engine.test_cost_model import FakeMachine
 
     machine = FakeMachine(true_cost)

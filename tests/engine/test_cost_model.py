@@ -3,8 +3,8 @@ batch-aware row budget (knee of T), profiling within a wall-clock budget and lea
 timings on a fake clock), and the JSON profile cache."""
 import pytest
 
-from specdec.engine import cost_model
-from specdec.engine.cost_model import (
+from specdec.engine.draft_length import costs, measure, profile_store
+from specdec.engine.draft_length.costs import (
     ContextCosts,
     CostCalibration,
     CostModel,
@@ -12,12 +12,11 @@ from specdec.engine.cost_model import (
     CostSamples,
     DrafterCost,
     ForwardCosts,
-    ProfileKey,
-    ProfileLearner,
     RowSamples,
     expected_accepted_length,
-    profile_costs,
 )
+from specdec.engine.draft_length.measure import profile_costs
+from specdec.engine.draft_length.profile_store import ProfileKey, ProfileLearner
 
 FLAT = ForwardCosts.linear(0.010, 0.0)  # T(n) = 10 ms for n = 1..32
 STEEP = ForwardCosts.linear(0.010, 0.5)  # every extra row costs half a decode step
@@ -104,15 +103,15 @@ def test_forward_costs_extrapolate():
 def test_profile_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     key = ProfileKey("tiny@files:abc", "q8", 2, "Some CPU")
-    assert cost_model.load_profile(key) is None
-    path = cost_model.save_profile(key, CostProfile(ForwardCosts((0.01, 0.011))))
+    assert profile_store.load_profile(key) is None
+    path = profile_store.save_profile(key, CostProfile(ForwardCosts((0.01, 0.011))))
     assert path.parent == tmp_path / "specdec" / "costs" and path.suffix == ".json"
-    assert cost_model.load_profile(key) == CostProfile(ForwardCosts((0.01, 0.011)))
+    assert profile_store.load_profile(key) == CostProfile(ForwardCosts((0.01, 0.011)))
     with_context = CostProfile(ForwardCosts((0.01, 0.011)), ContextCosts(128, (1e-6, 2e-6)))
-    cost_model.save_profile(key, with_context)
-    assert cost_model.load_profile(key) == with_context
+    profile_store.save_profile(key, with_context)
+    assert profile_store.load_profile(key) == with_context
     other = ProfileKey("tiny@files:abc", "q8", 4, "Some CPU")  # another thread count: another profile
-    assert cost_model.load_profile(other) is None
+    assert profile_store.load_profile(other) is None
 
 
 def test_forward_timings_interleave_the_row_counts(make_tiny_model):
@@ -129,7 +128,7 @@ def test_forward_timings_interleave_the_row_counts(make_tiny_model):
         return forward(batch, cache)
 
     model.forward = recording_forward
-    seconds = cost_model.forward_seconds(model, KVCache(model.config, 2, 32, model.device), 1, 8, 3, repeats=2)
+    seconds = measure.forward_seconds(model, KVCache(model.config, 2, 32, model.device), 1, 8, 3, repeats=2)
     assert len(seconds) == 3 and all(s > 0 for s in seconds)
     # prefill, warm-ups, then two rounds in which every n is timed right after one row
     assert rows_seen == [8] + [1, 2, 3] + [1, 1, 1, 2, 1, 3] * 2
@@ -236,8 +235,8 @@ def test_profiling_a_fast_machine_times_every_count_within_the_budget():
     machine = FakeMachine(avx512_like)
     run = profile_costs(machine, budget_s=8.0, clock=machine.clock)
     assert machine.now <= 8.0 and run.rounds == 5
-    assert set(run.samples.forward.values) == set(cost_model.PROFILE_ROW_COUNTS)
-    assert set(run.samples.context.values) == set(cost_model.CONTEXT_PROFILE_ROWS)
+    assert set(run.samples.forward.values) == set(measure.PROFILE_ROW_COUNTS)
+    assert set(run.samples.context.values) == set(measure.CONTEXT_PROFILE_ROWS)
     profile = run.samples.profile()
     assert profile.forward(8) == pytest.approx(avx512_like(8, 128), rel=1e-9)
     assert profile.forward(5) >= avx512_like(5, 128) * (1 - 1e-9)  # interpolated between 4 and 6
@@ -265,11 +264,11 @@ def test_measure_cost_profile_on_a_tiny_model_needs_no_prefill(make_tiny_model):
     forward = model.forward
     model.forward = lambda batch, cache: (rows_seen.append(len(batch.token_ids)), forward(batch, cache))[1]
     try:
-        run = cost_model.measure_cost_profile(model, budget_s=1.0, repeats=1)
+        run = measure.measure_cost_profile(model, budget_s=1.0, repeats=1)
     finally:
         del model.forward
     assert max(rows_seen) <= 32  # the context is random keys and values in the cache, not a prefill
-    assert 1 in run.samples.forward.values and run.samples.profile().forward.max_rows == cost_model.MAX_PROFILE_ROWS
+    assert 1 in run.samples.forward.values and run.samples.profile().forward.max_rows == costs.MAX_PROFILE_ROWS
 
 
 def measured_flat_to_four():
@@ -350,7 +349,7 @@ def test_learned_profile_is_saved_back_and_read_by_the_next_process(tmp_path, mo
         assert learner.save_if_due() is None
     learner.observe(8, 0.012)
     assert learner.save_if_due() is not None  # the 4th new measurement
-    loaded = cost_model.load_profile(key)
+    loaded = profile_store.load_profile(key)
     assert loaded.forward == forward_of(learner) and loaded.samples.forward.counts[8] == 4  # the bound + 3 steps
     assert loaded.samples.one_row_count == 4 and loaded.samples.one_row_s == pytest.approx(0.01025)
     for _ in range(4):
@@ -364,20 +363,20 @@ def test_first_use_profiles_within_the_budget_and_caches(make_tiny_model, tmp_pa
     """Without a cached profile a named model is profiled once within the budget (not planned with the flat
     fallback), the line on stderr says what and how long, and the profile is cached under its key with its
     samples; the next policy reads it without measuring and learns from it."""
-    from specdec.engine.adaptive import _cached_cost_model, build_draft_policy
+    from specdec.engine.draft_length.adaptive import _cached_cost_model, build_draft_policy
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = make_tiny_model("llama")
     budgets = []
 
-    def measure(target, budget_s, known=None):
+    def fake_measure(target, budget_s, known=None):
         budgets.append(budget_s)
         machine = FakeMachine(avx512_like)
         return profile_costs(machine, budget_s, clock=machine.clock, known=known)
 
-    monkeypatch.setattr(cost_model, "measure_cost_profile", measure)
+    monkeypatch.setattr(profile_store, "measure_cost_profile", fake_measure)
     first = _cached_cost_model(model, None, "tiny-llama", "q8", 32)
-    assert budgets == [cost_model.PROFILE_BUDGET_S] and first.forward.max_rows == cost_model.MAX_PROFILE_ROWS
+    assert budgets == [measure.PROFILE_BUDGET_S] and first.forward.max_rows == costs.MAX_PROFILE_ROWS
     assert first.knee_ratio != float("inf") and first.forward(8) == pytest.approx(avx512_like(8, 128))
     line = capsys.readouterr().err
     assert line.startswith("[profiling the forward costs of tiny-llama (at most 8 s") and "T(n) at n = 1, 2" in line
@@ -397,7 +396,7 @@ def test_a_profile_cut_short_by_its_budget_is_continued_at_the_next_start(make_t
     levels = iter([1.0] + [2.0] * 20)  # later starts on a machine twice as slow (another process on the cores)
     budgets = []
 
-    def measure(target, budget_s, known=None):
+    def fake_measure(target, budget_s, known=None):
         level = next(levels)
         machine = FakeMachine(lambda rows, context: level * (0.3 + 0.005 * rows + 1e-6 * rows * context))
         run = profile_costs(machine, budget_s, clock=machine.clock, known=known)
@@ -405,18 +404,18 @@ def test_a_profile_cut_short_by_its_budget_is_continued_at_the_next_start(make_t
         budgets.append(budget_s)
         return run
 
-    monkeypatch.setattr(cost_model, "measure_cost_profile", measure)
+    monkeypatch.setattr(profile_store, "measure_cost_profile", fake_measure)
     key = ProfileKey.current("tiny-llama", "q8")
     model = make_tiny_model("llama")
-    profile = cost_model.load_or_measure(model, key)
-    assert cost_model.untimed_row_counts(profile.samples) and 32 in profile.samples.forward.values  # largest first
+    profile = profile_store.load_or_measure(model, key)
+    assert measure.untimed_row_counts(profile.samples) and 32 in profile.samples.forward.values  # largest first
     assert "[profiling the forward costs of tiny-llama" in capsys.readouterr().err
     for _ in range(16):
-        profile = cost_model.load_or_measure(model, key)
+        profile = profile_store.load_or_measure(model, key)
     assert "[continuing the cost profile of tiny-llama" in capsys.readouterr().err
     assert budgets[0] == 8.0 and set(budgets[1:]) == {4.0} and len(budgets) < 16  # then no start measured anything
-    assert not cost_model.untimed_row_counts(profile.samples)
-    assert min(profile.samples.forward.counts.values()) >= cost_model.MIN_PAIRS
+    assert not measure.untimed_row_counts(profile.samples)
+    assert min(profile.samples.forward.counts.values()) >= measure.MIN_PAIRS
     for n in range(1, 33):  # the ratios of every start, at the first start's T(1)
         assert profile.forward(n) == pytest.approx(0.3 + 0.005 * n + 1e-6 * n * 128, rel=1e-9), n
     assert profile.context(8, 1128) == pytest.approx(8e-3, rel=1e-6)  # timed by the first start
@@ -427,18 +426,18 @@ def test_starts_that_time_nothing_new_stop_continuing(make_tiny_model, tmp_path,
     MAX_IDLE_CONTINUATIONS such starts the profile is used as it is."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     key = ProfileKey.current("tiny-llama", "q8")
-    cost_model.save_profile(key, CostSamples(0.1, RowSamples({1: 1.0}, {1: 5})).profile())  # 2 missing: 0.1 s each
+    profile_store.save_profile(key, CostSamples(0.1, RowSamples({1: 1.0}, {1: 5})).profile())  # 2 missing: 0.1 s each
     starts = []
 
-    def measure(target, budget_s, known=None):
+    def fake_measure(target, budget_s, known=None):
         machine = FakeMachine(lambda rows, context: 3.0)  # 3 s forwards today
         starts.append(profile_costs(machine, budget_s, clock=machine.clock, known=known))
         return starts[-1]
 
-    monkeypatch.setattr(cost_model, "measure_cost_profile", measure)
+    monkeypatch.setattr(profile_store, "measure_cost_profile", fake_measure)
     for _ in range(5):
-        profile = cost_model.load_or_measure(make_tiny_model("llama"), key)
-    assert len(starts) == cost_model.MAX_IDLE_CONTINUATIONS and starts[-1].forward_timed == ()
+        profile = profile_store.load_or_measure(make_tiny_model("llama"), key)
+    assert len(starts) == measure.MAX_IDLE_CONTINUATIONS and starts[-1].forward_timed == ()
     assert profile.samples.forward.values == {1: 1.0}
 
 
@@ -447,6 +446,6 @@ def test_a_profile_nothing_more_fits_in_is_not_continued(make_tiny_model, tmp_pa
     spend their budget timing nothing new, so they use it as it is."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     key = ProfileKey.current("tiny-llama", "q8")
-    cost_model.save_profile(key, CostSamples(6.0, RowSamples({1: 1.0}, {1: 1})).profile())
-    monkeypatch.setattr(cost_model, "measure_cost_profile", lambda *args, **kwargs: pytest.fail("measured again"))
-    assert cost_model.load_or_measure(make_tiny_model("llama"), key).forward(2) == pytest.approx(12.0)
+    profile_store.save_profile(key, CostSamples(6.0, RowSamples({1: 1.0}, {1: 1})).profile())
+    monkeypatch.setattr(profile_store, "measure_cost_profile", lambda *args, **kwargs: pytest.fail("measured again"))
+    assert profile_store.load_or_measure(make_tiny_model("llama"), key).forward(2) == pytest.approx(12.0)

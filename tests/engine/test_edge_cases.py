@@ -9,7 +9,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.engine.draft_policy import BatchDraftPolicy
+from specdec.engine.draft_length.policy import BatchDraftPolicy
 from specdec.engine.engine import Engine
 from specdec.llm import LLM
 from specdec.models.transformer import Transformer

@@ -8,7 +8,7 @@ import pytest
 
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy
+from specdec.engine.draft_length.policy import BatchDraftPolicy, DraftLengthPolicy
 from specdec.engine.engine import Engine
 from specdec.llm import LLM
 from test_speculative import PROMPTS, make_drafter

@@ -14,7 +14,7 @@ from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.models.batch import ForwardBatch
-from specdec.engine.draft_policy import BatchDraftPolicy
+from specdec.engine.draft_length.policy import BatchDraftPolicy
 from specdec.engine import engine as engine_module
 from specdec.engine.engine import Engine
 from specdec.engine.sequence import TokenKind

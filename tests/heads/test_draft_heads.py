@@ -346,7 +346,7 @@ def test_head_config_rejects_inconsistent_shapes():
 
 
 def test_adaptive_policy_charges_the_head_by_its_weight_bytes(trained_heads, make_tiny_model):
-    from specdec.engine.adaptive import _cached_cost_model
+    from specdec.engine.draft_length.adaptive import _cached_cost_model
 
     model = make_tiny_model("qwen2")
     eagle = _cached_cost_model(model, make_head_drafter(trained_heads("qwen2", "eagle"), model), None, "q8", 32).drafter

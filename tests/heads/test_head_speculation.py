@@ -216,7 +216,7 @@ def test_engine_cuts_weighed_eagle_trees_to_what_the_policy_keeps(make_tiny_mode
     """The draft policy decides how many of an EAGLE tree's extra nodes a step verifies: with none kept the trees
     are verified as their chains (same tokens per step as the chain drafter), with all kept they are larger."""
     from specdec.drafters.heads import EagleDrafter
-    from specdec.engine.draft_policy import BatchDraftPolicy
+    from specdec.engine.draft_length.policy import BatchDraftPolicy
 
     class Keep(BatchDraftPolicy):
         def __init__(self, keep):

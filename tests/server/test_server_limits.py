@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from server_helpers import MODEL, start_server, tiny_llm
-from specdec.server.app import ServerConfig, encode_prompt
+from specdec.server.app import ServerConfig
 from specdec.server.protocol import RequestLimits
 
 GOOD = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
@@ -189,11 +189,14 @@ def test_prompts_are_rendered_and_tokenized_in_a_prompt_thread(make_tiny_model, 
 
 @pytest.mark.parametrize("text", ["hello world", "", "  leading spaces", "<s> a start token", "ünïcödé 日本語 🙂",
                                   "abc " * 500])
-def test_encode_prompt_equals_the_tokenizers_encode(tiny_tokenizer, text):
-    for special in (True, False):
-        assert encode_prompt(tiny_tokenizer, text, special) == tiny_tokenizer.encode(text, add_special_tokens=special)
+def test_encode_through_the_batch_call_equals_the_backends_encode(tiny_tokenizer, text):
+    """Tokenizer.encode tokenizes through the backend's batch call (which releases the GIL): the same ids as the
+    backend's plain encode, BOS added once."""
+    ids = tiny_tokenizer.backend.encode(text, add_special_tokens=False).ids
+    assert tiny_tokenizer.encode(text, add_special_tokens=False) == ids
+    assert tiny_tokenizer.encode(text) == [tiny_tokenizer.bos_token_id, *ids]
     bos = tiny_tokenizer.id_to_token(tiny_tokenizer.bos_token_id)
-    assert encode_prompt(tiny_tokenizer, bos + text, True) == tiny_tokenizer.encode(bos + text)  # no second BOS
+    assert tiny_tokenizer.encode(bos + text) == [tiny_tokenizer.bos_token_id, *ids]  # no second BOS
 
 
 async def burst(url: str, num_requests: int, max_connections: int) -> list[tuple[int, str | None]]:

@@ -66,7 +66,7 @@ def method_config(method: str, model: str) -> dict:
 
 def build_llms(loaded, config: dict, max_batch: int, max_verify_tokens: int = 32) -> dict:
     """One LLM per entry of CONFIGS, all sharing the loaded (target, tokenizer); separate engines and caches."""
-    from specdec.engine.draft_policy import BatchDraftPolicy
+    from specdec.engine.draft_length.policy import BatchDraftPolicy
     from specdec.llm import LLM
 
     common = dict(loaded=loaded, max_num_seqs=max_batch, max_model_len=4096)
@@ -80,12 +80,11 @@ def build_llms(loaded, config: dict, max_batch: int, max_verify_tokens: int = 32
 
 def load_prompts(path: str, category: str, count: int, llm) -> list[list[int]]:
     from specdec.datasets import load_questions
-    from specdec.models.tokenizer import encode_chat
 
     questions = load_questions(path, [category])
     if not questions:
         raise ValueError(f"no questions of category {category!r} in {path}")
-    return [encode_chat(llm.tokenizer, [{"role": "user", "content": questions[i % len(questions)].turns[0]}])
+    return [llm.tokenizer.encode_chat([{"role": "user", "content": questions[i % len(questions)].turns[0]}])
             for i in range(count)]
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 import specdec.models.transformer as transformer_module
-from specdec.engine.cost_model import prefilled_row_batches
+from specdec.engine.draft_length.measure import prefilled_row_batches
 from specdec.models.layers import Linear
 
 TIMED_KERNELS = ("attention", "rms_norm", "qk_norm_rope", "gated_activation")

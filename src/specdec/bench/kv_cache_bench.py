@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.accuracy_prompts > 0:
         records = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
         chosen = records[:: max(1, len(records) // args.accuracy_prompts)][: args.accuracy_prompts]
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": r["turns"][0]}]))
+        prompts = [tokenizer.encode_chat([{"role": "user", "content": r["turns"][0]}])
                    for r in chosen]
         reference, _ = load_model(args.model, "fp32")
         for name, row in accuracy(reference, model, prompts, args.new_tokens).items():

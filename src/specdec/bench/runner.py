@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from specdec.datasets import Question, load_questions
-from specdec.models.tokenizer import encode_chat
 from specdec.config import DRAFT_POLICIES
 from specdec.bench.methods import Generation, MethodSpec, Runner, draft_model_of, parse_methods
 
@@ -183,7 +182,7 @@ def _run_rounds(options: BenchOptions, questions: list[Question], specs: list[Me
                        for spec in specs] + peer_runners
             descriptions = [runner.describe() for runner in runners]
             for runner in runners:
-                runner.generate(encode_chat(loaded[1], WARMUP_MESSAGES), min(WARMUP_TOKENS, options.max_new_tokens))
+                runner.generate(loaded[1].encode_chat(WARMUP_MESSAGES), min(WARMUP_TOKENS, options.max_new_tokens))
             records += run_round(round_index, questions, runners, loaded[1], options.max_new_tokens, progress)
             del runners  # frees the round's drafters (and draft model) before the next round builds new ones
     return records, descriptions
@@ -200,7 +199,7 @@ def run_round(round_index: int, questions: list[Question], runners: list[Runner]
         for turn_index, turn in enumerate(question.turns):
             for runner in order:
                 messages = conversations[runner.label] + [{"role": "user", "content": turn}]
-                prompt_ids = encode_chat(tokenizer, messages)
+                prompt_ids = tokenizer.encode_chat(messages)
                 generation = runner.generate(prompt_ids, max_new_tokens)
                 answer = tokenizer.decode(generation.token_ids, skip_special_tokens=True)
                 conversations[runner.label] = messages + [{"role": "assistant", "content": answer}]

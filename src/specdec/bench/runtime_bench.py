@@ -17,7 +17,7 @@ import time
 import torch
 
 from specdec.config import SamplingParams
-from specdec.engine.cost_model import forward_seconds, read_bandwidth_gbs
+from specdec.engine.draft_length.measure import forward_seconds, read_bandwidth_gbs
 from specdec.llm import LLM
 from specdec.runtime import configure_threads
 
@@ -30,7 +30,7 @@ def peak_rss_mb() -> float:
 
 def forward_cost_curve(llm: LLM, context: int, max_rows: int, repeats: int) -> dict[int, float]:
     """Seconds of one forward of n new tokens after `context` cached tokens, n = 1..max_rows (each n
-    paired with a one-row forward in `repeats` rounds, see `cost_model.forward_seconds`)."""
+    paired with a one-row forward in `repeats` rounds, see `draft_length.measure.forward_seconds`)."""
     engine = llm.engine
     slot = engine.cache.allocate()
     try:

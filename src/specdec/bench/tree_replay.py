@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from specdec.bench.methods import REFERENCE_METHOD
-from specdec.models.tokenizer import encode_chat
 from specdec.datasets import Question, load_questions
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Draft, Drafter
@@ -190,7 +189,7 @@ def cases_from_results(results: dict[str, Any], tokenizer, round_index: int = 0)
             raise ValueError(f"question {key[1]!r} of {key[0]} is not in the datasets {results['metadata']['datasets']}")
         messages = answers.get(key, []) + [{"role": "user", "content": question.turns[record["turn"]]}]
         answers[key] = messages + [{"role": "assistant", "content": record["text"]}]
-        prompt_ids = encode_chat(tokenizer, messages)
+        prompt_ids = tokenizer.encode_chat(messages)
         if len(prompt_ids) != record["prompt_tokens"]:
             raise ValueError(f"question {key[1]!r} turn {record['turn']}: the rebuilt prompt has {len(prompt_ids)} "
                              f"tokens, the run recorded {record['prompt_tokens']} (another dataset or tokenizer?)")

@@ -31,7 +31,7 @@ from specdec.config import ACCEPTANCE_METHODS, DEFAULT_ACCEPTANCE, SamplingParam
 from specdec.drafters.base import Draft, Drafter, HiddenStateDrafter, verifies_trees
 from specdec.drafters.tree import DraftTree
 from specdec.models.batch import ForwardBatch
-from specdec.engine.draft_policy import BatchDraftPolicy, DraftLengthPolicy, StepCost
+from specdec.engine.draft_length.policy import BatchDraftPolicy, DraftLengthPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence, TokenKind, new_sequence
 from specdec.models.tokenizer import Tokenizer

@@ -173,8 +173,10 @@ class Tokenizer:
 
         With ``add_special_tokens`` and a tokenizer that adds BOS, BOS is prepended unless the text already
         starts with it (a chat template that writes ``{{ bos_token }}``), so there is never a doubled BOS.
+        The backend's batch call releases the GIL while it runs: a long prompt tokenized in a server's prompt
+        thread does not stall the event loop.
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
@@ -183,6 +185,13 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------------------ chat
+
+    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """The prompt ids of a chat: ``messages`` rendered with the chat template (with the generation prompt),
+        then encoded without a second BOS. The one chat encoding of the CLI, the Python API, the server, the
+        benchmarks and training data. Template errors (unknown roles, raise_exception) propagate."""
+        text = self.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> str:
@@ -408,10 +417,3 @@ def _compile_template(source: str):
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
             sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def encode_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """A chat rendered with the tokenizer's template and encoded: the same ids as ``LLM.encode_prompt(messages,
-    chat=True)``, which benchmarks and training data use alike."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)

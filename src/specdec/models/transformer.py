@@ -90,7 +90,7 @@ class Transformer:
         """weight_format: auto, q4, q8 or fp32 (models/layers.py: WEIGHT_FORMATS); storage: how the file stored the
         tensors (its Q4_K bytes load losslessly as q4; none: every tensor counts as fp32, so auto means q8).
         source: the catalogue name or path the weights came from ("" for models built in memory); it keys
-        the measured cost profile of this model (engine/cost_model.py)."""
+        the measured cost profile of this model (engine/draft_length/)."""
         check_weight_format(weight_format)
         storage = storage or TensorStorage()
         self.config = config

@@ -108,16 +108,6 @@ def body_too_large(size: str, max_bytes: int) -> APIError:
                     code="request_too_large", headers={"Connection": "close"})
 
 
-def encode_prompt(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """`tokenizer.encode(text, add_special_tokens)`, through the backend's batch call, which releases the GIL
-    while it runs, so a long prompt tokenized in a prompt thread does not stall the event loop. The BOS rule is
-    Tokenizer.encode's (a test checks that both give the same ids)."""
-    ids = tokenizer.backend.encode_batch([text], add_special_tokens=False)[0].ids
-    if add_special_tokens and tokenizer.add_bos and (not ids or ids[0] != tokenizer.bos_token_id):
-        ids = [tokenizer.bos_token_id, *ids]
-    return ids
-
-
 @dataclass(frozen=True)
 class PreparedPrompt:
     prompt_ids: list[int]
@@ -179,7 +169,7 @@ class ServerState:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("the prompt is empty", "prompt")
-            return encode_prompt(self.tokenizer, prompt, add_special_tokens=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
         vocab = self.engine.model.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -188,12 +178,11 @@ class ServerState:
 
     def chat_prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
         try:
-            text = self.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
+            ids = self.tokenizer.encode_chat(body.template_messages())
         except APIError:
             raise
         except Exception as error:  # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
             raise bad_request(f"could not apply the chat template: {error}", "messages") from None
-        ids = encode_prompt(self.tokenizer, text, add_special_tokens=False)
         if not ids:
             raise bad_request("the chat prompt is empty", "messages")
         return ids

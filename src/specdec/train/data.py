@@ -61,14 +61,13 @@ def load_prompts(tokenizer, paths: Sequence[str], holdout_every: int = 0, limit:
     limit: keep this many prompts, evenly spaced over the list (so every file and category stays represented).
     """
     from specdec.datasets import is_held_out, load_questions
-    from specdec.models.tokenizer import encode_chat
 
     prompts = []
     for path in paths:
         for index, question in enumerate(load_questions(path)):
             if is_held_out(index, holdout_every) != held_out:
                 continue
-            prompts.append(encode_chat(tokenizer, [{"role": "user", "content": question.turns[0]}]))
+            prompts.append(tokenizer.encode_chat([{"role": "user", "content": question.turns[0]}]))
     if limit is None or limit >= len(prompts):
         return prompts
     return [prompts[i * len(prompts) // limit] for i in range(limit)]

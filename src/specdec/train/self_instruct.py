@@ -109,7 +109,6 @@ def write_self_instruct_questions(target, tokenizer, seeds: Sequence[Question], 
                                   progress: Callable[[int, int], None] | None = None) -> Path:
     """Runs the spec.count seeds (cycling over `seeds`) that the directory does not have yet, batch by batch, and
     returns the questions file."""
-    from specdec.models.tokenizer import encode_chat
     from specdec.engine.engine import Engine
 
     if not seeds:
@@ -118,7 +117,7 @@ def write_self_instruct_questions(target, tokenizer, seeds: Sequence[Question], 
     done = _check_or_start(directory, spec)
     questions_path = directory / QUESTIONS_FILE
     seen = {_content(row) for row in _rows(questions_path)}  # questions already kept, by content
-    prompts = [encode_chat(tokenizer, [{"role": "user", "content": request_message(seed)}]) for seed in seeds]
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": request_message(seed)}]) for seed in seeds]
     engine = Engine(target, tokenizer, max_num_seqs=batch_size,
                     max_model_len=max(len(prompt) for prompt in prompts) + spec.max_tokens + 1)
     for start in range(done, spec.count, batch_size):

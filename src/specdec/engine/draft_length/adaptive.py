@@ -1,5 +1,5 @@
 """Adaptive draft length: per request, learn where its drafts stop hitting; per step, pick the k that buys the
-most tokens per second under the measured cost of verification (`specdec.engine.cost_model`).
+most tokens per second under the measured cost of verification (`costs`, `measure`, `profile_store`).
 
 Per request and draft position i we keep α_i, an exponential moving average of the conditional acceptance
 P(token i accepted | tokens 0..i-1 accepted). It starts from where recently finished requests ended
@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from typing import Sequence as SequenceOf
 
 from specdec.config import DRAFT_POLICIES
-from specdec.engine.cost_model import CostCalibration, CostModel, ProfileLearner, expected_accepted_length
-from specdec.engine.draft_policy import DraftLengthPolicy, StepCost
+from specdec.engine.draft_length.costs import CostCalibration, CostModel, DrafterCost, expected_accepted_length
+from specdec.engine.draft_length.policy import BatchDraftPolicy, DraftLengthPolicy, StepCost
+from specdec.engine.draft_length.profile_store import ProfileKey, ProfileLearner, load_or_measure
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence
 
@@ -397,8 +398,6 @@ def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: 
     build): the cached one, else measured now within a few seconds (`load_or_measure`) and cached, refined from the
     engine's timed steps and saved back as it runs (`ProfileLearner`); `CostModel.fallback` when the model has no
     name to key a profile by. None when not speculating."""
-    from specdec.engine.draft_policy import BatchDraftPolicy
-
     if isinstance(choice, DraftLengthPolicy):
         return choice
     if choice not in DRAFT_POLICIES:
@@ -415,8 +414,6 @@ def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: 
 
 def _cached_profile(target, model_name: str | None, weight_format: str):
     """(profile, its key) for a named model (cached or measured now), (None, None) without a name or a target."""
-    from specdec.engine.cost_model import ProfileKey, load_or_measure
-
     if model_name is None or target is None:
         return None, None
     try:
@@ -434,7 +431,6 @@ def _cached_cost_model(target, drafter, model_name: str | None, weight_format: s
 def _cost_model(profile, target, drafter, max_verify_tokens: int) -> CostModel:
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.drafters.heads import HeadDrafter
-    from specdec.engine.cost_model import DrafterCost
 
     forward = profile.forward if profile is not None else CostModel.fallback(max_verify_tokens).forward
     t1 = forward(1)
