@@ -1,8 +1,6 @@
 """Trained draft heads (EAGLE, Medusa) on tiny models: the target's hidden states, training lowers the loss,
 saved heads reload to identical drafts, greedy output identical to plain output (batch 1 and 4), and the
 sampled distribution equal to the target's (chi-square), also with a reduced draft vocabulary."""
-import dataclasses
-
 import pytest
 import torch
 

@@ -2,7 +2,6 @@
 architecture) and sampling that reproduces the target's distribution (chi-square), the heads' draft
 probabilities feeding rejection sampling — also when they draft over a reduced vocabulary."""
 import pytest
-import torch
 
 from engine.test_speculative import (CHI_PARAMS, CHI_PROMPT, PROMPTS, SMALL_VOCAB, chi_square_p_value,
                                      exact_distribution_of_tokens_2_and_3, run, sampled_counts)

@@ -1,7 +1,7 @@
 """Model configuration: one transformer, per-architecture differences expressed as data."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
