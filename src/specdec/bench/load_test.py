@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import AsyncIterator
 
 import httpx
 
@@ -81,6 +82,36 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
+class MalformedStream(Exception):
+    """A server-sent event stream that breaks the format: a line that is not `data: ...`, a payload that is not a
+    JSON object, or anything after `data: [DONE]`."""
+
+
+async def sse_payloads(response: httpx.Response) -> AsyncIterator[dict | None]:
+    """The JSON objects of a stream's `data:` lines in order, then None for `data: [DONE]`; MalformedStream for a
+    line that breaks the format. Ends without None when the stream ends without [DONE]."""
+    done = False
+    async for line in response.aiter_lines():
+        if not line:
+            continue
+        if done:
+            raise MalformedStream(f"a line after [DONE]: {line[:80]!r}")
+        if not line.startswith("data: "):
+            raise MalformedStream(f"not an SSE data line: {line[:80]!r}")
+        payload = line[len("data: "):]
+        if payload == "[DONE]":
+            done = True
+            yield None
+            continue
+        try:
+            chunk = json.loads(payload)
+        except json.JSONDecodeError as error:
+            raise MalformedStream(f"not JSON ({error}): {payload[:80]!r}") from None
+        if not isinstance(chunk, dict):
+            raise MalformedStream(f"not a JSON object: {payload[:80]!r}")
+        yield chunk
+
+
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
                       headers: dict[str, str]) -> RequestResult:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
@@ -92,16 +123,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 return RequestResult(ok=False, error=f"HTTP {response.status_code}: {text[:200]}")
-            async for line in response.aiter_lines():
-                if not line:
-                    continue
-                if not line.startswith("data: "):
-                    return RequestResult(ok=False, malformed=True, error=f"not an SSE data line: {line[:80]!r}")
-                payload = line[len("data: "):]
-                if payload == "[DONE]":
+            async for chunk in sse_payloads(response):
+                if chunk is None:
                     done = True
                     continue
-                chunk = json.loads(payload)
                 if "error" in chunk:
                     return RequestResult(ok=False, error=f"in-band error: {chunk['error'].get('message')}")
                 if chunk.get("usage"):
@@ -110,8 +135,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                     if choice.get("delta", {}).get("content"):
                         pieces += 1
                         ttft = ttft if ttft is not None else time.perf_counter() - start
-    except (httpx.HTTPError, json.JSONDecodeError, KeyError, AttributeError) as error:
-        return RequestResult(ok=False, malformed=isinstance(error, (json.JSONDecodeError, KeyError, AttributeError)),
+    except (httpx.HTTPError, MalformedStream, KeyError, AttributeError) as error:
+        return RequestResult(ok=False, malformed=isinstance(error, (MalformedStream, KeyError, AttributeError)),
                              error=f"{type(error).__name__}: {error}")
     latency = time.perf_counter() - start
     if not done or usage is None or usage.get("completion_tokens", 0) < pieces:
