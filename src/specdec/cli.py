@@ -189,6 +189,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specdec.server.app import GracefulServer, create_app
 
     config = serve_config(args, os.environ)  # a bad limit stops the start before the model loads
+    configure_server_logging(args.log_level)
     configure_threads(args.threads)
     extra = {} if args.max_verify_tokens is None else {"max_verify_tokens": args.max_verify_tokens}
     llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
@@ -199,6 +200,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"[serving {app.state.server.model_name} on http://{args.host}:{args.port}]", file=sys.stderr)
     GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
     return 0
+
+
+SERVER_LOG_HANDLER = "specdec-serve"
+
+
+def configure_server_logging(level: str) -> None:
+    """specdec's own log lines (a client that left, an engine step that raised) on stderr beside uvicorn's, in
+    its format and at --log-level. Without a handler Python drops the info lines and prints the others bare."""
+    import logging
+
+    from uvicorn.logging import DefaultFormatter
+
+    class CurrentStderr(logging.StreamHandler):
+        """Writes to sys.stderr as it is when a record comes, not as it was when the handler was made."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.stream = sys.stderr
+            super().emit(record)
+
+    handler = CurrentStderr()
+    handler.set_name(SERVER_LOG_HANDLER)
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s", use_colors=False))
+    logger = logging.getLogger("specdec")
+    logger.handlers = [h for h in logger.handlers if h.get_name() != SERVER_LOG_HANDLER] + [handler]
+    logger.setLevel(logging.DEBUG if level.lower() == "trace" else level.upper())
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -54,3 +54,23 @@ def test_serve_rejects_a_bad_limit_before_loading_the_model(capsys):
 
     assert main(["serve", "no-such-model", "--max-request-bytes", "0"]) == 2
     assert "max_body_bytes must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_serve_logs_specdecs_own_lines_at_its_level(monkeypatch, capsys):
+    """A client that left is an info line of specdec.server.app: `specdec serve` shows it in uvicorn's format
+    (Python alone would drop it), once however often the logging is configured."""
+    import logging
+
+    from specdec.cli import configure_server_logging
+
+    logger = logging.getLogger("specdec")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "level", logger.level)
+    configure_server_logging("info")
+    configure_server_logging("info")
+    logging.getLogger("specdec.server.app").info("client disconnected before its first token")
+    logging.getLogger("specdec.server.app").debug("not at info")
+    assert capsys.readouterr().err == "INFO:     client disconnected before its first token\n"
+    configure_server_logging("warning")
+    logging.getLogger("specdec.server.app").info("hidden")
+    assert capsys.readouterr().err == ""
