@@ -485,8 +485,9 @@ class Soak:
         tokens = sum(r.completion_tokens for r in generated)
         slots_free = bool(end["idle"] and end["kv_cache_free_slots"] == end["kv_cache_total_slots"])
         rss = [(s["t_s"], s["rss_mb"]) for s in self.samples if s["rss_mb"] is not None]
-        first = [mb for t, mb in rss if t < min(60.0, wall_s)]
-        last = [mb for t, mb in rss if max(0.0, wall_s - 60.0) <= t <= wall_s]
+        loaded_s = min(wall_s, self.minutes * 60)  # the clients' deadline; the drain after it is not compared
+        first = [mb for t, mb in rss if t <= min(60.0, loaded_s)]
+        last = [mb for t, mb in rss if max(0.0, loaded_s - 60.0) <= t <= loaded_s]
         counts = {o: sum(r.outcome == o for r in self.results) for o in OUTCOMES}
         return {
             "url": self.url, "model": self.model, "minutes": self.minutes, "concurrency": self.concurrency,
@@ -496,7 +497,7 @@ class Soak:
             "completed_generations": len(generated), "completion_tokens": tokens,
             "tok_s": round(tokens / wall_s, 1) if wall_s > 0 else 0.0,
             "requests_per_minute": round(len(self.results) / wall_s * 60, 1) if wall_s > 0 else 0.0,
-            "per_minute": self.per_minute(wall_s),
+            "per_minute": self.per_minute(wall_s, self.minutes * 60),
             "rss_first_minute_median_mb": median(first), "rss_last_minute_median_mb": median(last),
             "rss_change_mb": None if not first or not last else round(median(last) - median(first), 1),
             "rss_samples": [[t, mb] for t, mb in rss],
@@ -505,28 +506,29 @@ class Soak:
                       and end["health_status"] == 200,
         }
 
-    def per_minute(self, wall_s: float) -> list[dict]:
-        """Per minute of the run (the last one may be shorter; requests that end after the run's end count in
-        it): requests ended, generations completed, their completion tokens per second, the server's generated
-        tokens per second (its counter; abandoned requests included) and the median RSS."""
+    def per_minute(self, wall_s: float, deadline_s: float) -> list[dict]:
+        """Per minute of the run: requests ended, generations completed, their completion tokens per second (at
+        the time each one completed), the server's generated tokens per second (its counter; abandoned requests
+        included) and the median RSS. A last, shorter row ("drain": true) covers the time after the clients'
+        deadline, while the requests in flight finish."""
+        edges = [60.0 * m for m in range(math.ceil(min(deadline_s, wall_s) / 60))] + [min(deadline_s, wall_s)]
+        if wall_s > deadline_s:
+            edges.append(wall_s)
         rows = []
-        for minute in range(max(1, math.ceil(wall_s / 60))):
-            lo, hi = 60.0 * minute, min(60.0 * (minute + 1), wall_s)
-            last_one = hi >= wall_s
+        for index, (lo, hi) in enumerate(zip(edges, edges[1:])):
+            last_one = index == len(edges) - 2
             ended = [r for r in self.results if lo <= r.finished_s < hi or (last_one and r.finished_s >= hi)]
             done = [r for r in ended if r.kind != BAD and r.outcome == "ok" and not r.left]
-            seconds = max(hi - lo, 1e-9)
-            window = [s for s in self.samples if lo <= s["t_s"] <= hi + (1e9 if last_one else 0)]
+            window = [s for s in self.samples if lo <= s["t_s"] <= (math.inf if last_one else hi)]
             counter = [s for s in window if s["generated"] is not None]
             server_tok_s = None
             if len(counter) >= 2 and counter[-1]["t_s"] > counter[0]["t_s"]:
                 server_tok_s = round((counter[-1]["generated"] - counter[0]["generated"])
                                      / (counter[-1]["t_s"] - counter[0]["t_s"]), 1)
-            rows.append({"minute": minute + 1, "seconds": round(hi - lo, 1), "requests": len(ended),
-                         "completed_generations": len(done),
-                         "completion_tokens": sum(r.completion_tokens for r in done),
-                         "tok_s": round(sum(r.completion_tokens for r in done) / seconds, 1),
-                         "server_tok_s": server_tok_s,
+            tokens = sum(r.completion_tokens for r in done)
+            rows.append({"minute": index + 1, "drain": lo >= deadline_s, "seconds": round(hi - lo, 1),
+                         "requests": len(ended), "completed_generations": len(done), "completion_tokens": tokens,
+                         "tok_s": round(tokens / max(hi - lo, 1e-9), 1), "server_tok_s": server_tok_s,
                          "rss_median_mb": median([s["rss_mb"] for s in window if s["rss_mb"] is not None])})
         return rows
 
@@ -562,7 +564,8 @@ def format_summary(report: dict) -> str:
     for row in report["per_minute"]:
         server = "-" if row["server_tok_s"] is None else f"{row['server_tok_s']:.1f}"
         rss = "-" if row["rss_median_mb"] is None else f"{row['rss_median_mb']:.0f}"
-        lines.append(f"{row['minute']:>6} {row['requests']:>5} {row['completed_generations']:>5} {row['tok_s']:>7.1f} "
+        minute = "drain" if row["drain"] else row["minute"]
+        lines.append(f"{minute:>6} {row['requests']:>5} {row['completed_generations']:>5} {row['tok_s']:>7.1f} "
                      f"{server:>12} {rss:>7}")
     end = report["end"]
     lines += ["", f"{report['requests']} requests in {report['wall_s']:.0f} s "
