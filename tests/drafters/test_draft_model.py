@@ -6,6 +6,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
+from specdec.drafters.base import DrafterCostDescription
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.models.batch import ForwardBatch
 from specdec.verify.noise import RequestNoise
@@ -134,6 +135,8 @@ def test_reduced_vocabulary_drafts_the_best_kept_token_with_the_same_logits(make
     else:
         torch.testing.assert_close(reduced, full)
     assert drafter.weight_nbytes < model.weight_nbytes
+    # the draft policy prices one draft forward per draft position by the weight bytes it reads
+    assert drafter.cost_description() == DrafterCostDescription(drafter.weight_nbytes, forward_per_draft_token=True)
 
 
 def test_reduced_vocabulary_rejects_ids_outside_the_vocabulary(make_tiny_model):

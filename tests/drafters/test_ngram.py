@@ -5,7 +5,7 @@ import random
 import pytest
 
 from specdec.config import SamplingParams
-from specdec.drafters.base import Draft
+from specdec.drafters.base import Draft, DrafterCostDescription
 from specdec.drafters.ngram import NgramDrafter
 
 PARAMS = SamplingParams()
@@ -24,6 +24,10 @@ def propose_one(drafter: NgramDrafter, budget: int, request_id: str = "r") -> tu
 def test_proposes_what_followed_the_last_ngram() -> None:
     drafter = drafter_with([1, 2, 3, 4, 5, 9, 1, 2, 3])
     assert drafter.propose(["r"], [3]) == [Draft(token_ids=(4, 5, 9), draft_probs=None)]
+
+
+def test_a_lookup_describes_no_model_forward_to_the_draft_policy() -> None:
+    assert drafter_with([1, 2, 3]).cost_description() == DrafterCostDescription(forward_weight_nbytes=0)
 
 
 def test_budget_is_respected_and_zero_budget_gives_empty() -> None:

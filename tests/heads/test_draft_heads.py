@@ -6,6 +6,7 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.drafters.base import DrafterCostDescription
 from specdec.drafters.factory import build_drafter, build_head_drafter
 from specdec.drafters.heads import EagleDrafter, MedusaDrafter
 from specdec.models.batch import ForwardBatch
@@ -347,8 +348,12 @@ def test_adaptive_policy_charges_the_head_by_its_weight_bytes(trained_heads, mak
     from specdec.engine.draft_length.adaptive import _cached_cost_model
 
     model = make_tiny_model("qwen2")
-    eagle = _cached_cost_model(model, make_head_drafter(trained_heads("qwen2", "eagle"), model), None, "q8", 32).drafter
-    medusa = _cached_cost_model(model, make_head_drafter(trained_heads("qwen2", "medusa"), model), None, "q8", 32).drafter
+    eagle_drafter = make_head_drafter(trained_heads("qwen2", "eagle"), model)
+    medusa_drafter = make_head_drafter(trained_heads("qwen2", "medusa"), model)
+    assert eagle_drafter.cost_description() == DrafterCostDescription(eagle_drafter.weight_nbytes, True)
+    assert medusa_drafter.cost_description() == DrafterCostDescription(medusa_drafter.weight_nbytes, False)
+    eagle = _cached_cost_model(model, eagle_drafter, None, "q8", 32).drafter
+    medusa = _cached_cost_model(model, medusa_drafter, None, "q8", 32).drafter
     assert eagle.per_token_s > 0 and eagle.batched  # one head forward per draft position
     assert medusa.per_token_s == 0 and medusa.per_step_s > 0  # all heads in one forward
 

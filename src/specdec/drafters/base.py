@@ -54,6 +54,22 @@ class Draft:
         return Draft(self.token_ids, self.draft_probs, None if tree.is_chain() else tree)
 
 
+@dataclass(frozen=True)
+class DrafterCostDescription:
+    """How a drafter's work per step scales, for the draft-length policy's cost model (engine/draft_length), which
+    prices it against the target's measured forward until the drafter itself is timed: decoding is memory-bound, so
+    one drafter forward costs about the target's T(1) scaled by the weight bytes it reads.
+
+    forward_weight_nbytes: weight bytes one drafter forward reads; 0: the drafter runs no model forward (a lookup,
+        measured ≈ 0 s next to a target forward).
+    forward_per_draft_token: one forward per draft position (a draft model, EAGLE), or one per step (Medusa: every
+        head in one forward). Either way the sequences of a step share each forward.
+    """
+
+    forward_weight_nbytes: int = 0
+    forward_per_draft_token: bool = False
+
+
 class Drafter(ABC):
     """One instance serves a whole batch of requests, each identified by its request id."""
 
@@ -86,6 +102,10 @@ class Drafter(ABC):
         drafting every step feeds (the draft policy weighs their cost against the request's remaining tokens).
         0 for drafters that keep no per-request model state (lookups) or whose catch-up is negligible."""
         return 0
+
+    def cost_description(self) -> DrafterCostDescription:
+        """What the drafter's work costs, for the draft-length policy; the default: no model forward (lookups)."""
+        return DrafterCostDescription()
 
 
 def verifies_trees(params: SamplingParams, noise: RequestNoise | None) -> bool:

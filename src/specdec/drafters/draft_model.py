@@ -33,7 +33,7 @@ import torch
 from specdec.cache.kv_cache import KVCache
 from specdec.cache.prefix_store import PrefixCache, common_prefix_length
 from specdec.config import SamplingParams
-from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.base import Draft, Drafter, DrafterCostDescription
 from specdec.drafters.growth import depth_batches, new_growth
 from specdec.drafters.tree import check_tree_args
 from specdec.models.batch import ForwardBatch
@@ -125,6 +125,10 @@ class DraftModelDrafter(Drafter):
         if self.draft_head is None:
             return self.model.weight_nbytes
         return self.model.weight_nbytes - self.model.lm_head.nbytes() + self.draft_head.nbytes()
+
+    def cost_description(self) -> DrafterCostDescription:
+        """One draft model forward per draft position, reading `weight_nbytes`."""
+        return DrafterCostDescription(forward_weight_nbytes=self.weight_nbytes, forward_per_draft_token=True)
 
     def _logits(self, batch: ForwardBatch) -> torch.Tensor:
         """The draft forward: logits [logit rows, vocab]; with a reduced vocabulary -inf outside it (so argmax,

@@ -18,7 +18,8 @@ import torch
 
 from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
-from specdec.drafters.base import Draft, HiddenStateDrafter, check_propose_args, unknown_request_error
+from specdec.drafters.base import (Draft, DrafterCostDescription, HiddenStateDrafter, check_propose_args,
+                                   unknown_request_error)
 from specdec.drafters.growth import depth_batches, new_growth
 from specdec.drafters.tree import check_tree_args
 from specdec.models.batch import ForwardBatch
@@ -42,7 +43,7 @@ class _HeadState:
 class HeadDrafter(HiddenStateDrafter):
     """Request bookkeeping shared by the EAGLE and Medusa drafters.
 
-    forward_per_draft_token: EAGLE runs its head once per draft position; Medusa once per step (cost model).
+    forward_per_draft_token: EAGLE runs its head once per draft position; Medusa once per step (`cost_description`).
     weight_format: the format of the frozen drafting copies of the head's linear maps and draft lm_head rows
     ("q8": our int8 kernel, a quarter of fp32's bytes; "fp32"); the head module itself is not changed.
     """
@@ -69,6 +70,11 @@ class HeadDrafter(HiddenStateDrafter):
         linear_params = {id(p) for m in self.head.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
         others = sum(p.numel() * p.element_size() for p in self.head.parameters() if id(p) not in linear_params)
         return sum(linear.nbytes() for linear in linears) + self.draft_lm_head.nbytes() + others
+
+    def cost_description(self) -> DrafterCostDescription:
+        """One head forward reading `weight_nbytes`, per draft position (EAGLE) or per step (Medusa)."""
+        return DrafterCostDescription(forward_weight_nbytes=self.weight_nbytes,
+                                      forward_per_draft_token=self.forward_per_draft_token)
 
     def _state(self, request_id: str) -> _HeadState:
         if request_id not in self.states:

@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 from typing import Sequence as SequenceOf
 
 from specdec.config import DRAFT_POLICIES
-from specdec.engine.draft_length.costs import CostCalibration, CostModel, DrafterCost, expected_accepted_length
+from specdec.drafters.base import Drafter, DrafterCostDescription
+from specdec.engine.draft_length.costs import (CostCalibration, CostModel, DrafterCost, ForwardCosts,
+                                               expected_accepted_length)
 from specdec.engine.draft_length.policy import BatchDraftPolicy, DraftLengthPolicy, StepCost
 from specdec.engine.draft_length.profile_store import ProfileKey, ProfileLearner, load_or_measure
 from specdec.engine.metrics import SpecDecodeMetrics
@@ -428,24 +430,27 @@ def _cached_cost_model(target, drafter, model_name: str | None, weight_format: s
     return _cost_model(_cached_profile(target, model_name, weight_format)[0], target, drafter, max_verify_tokens)
 
 
-def _cost_model(profile, target, drafter, max_verify_tokens: int) -> CostModel:
-    from specdec.drafters.draft_model import DraftModelDrafter
-    from specdec.drafters.heads import HeadDrafter
-
+def _cost_model(profile, target, drafter: Drafter | None, max_verify_tokens: int) -> CostModel:
     forward = profile.forward if profile is not None else CostModel.fallback(max_verify_tokens).forward
-    t1 = forward(1)
-    per_row = forward(forward.max_rows) / forward.max_rows  # a prefill is compute-bound: its cost per token
-    drafter_cost = DrafterCost()  # ngram / suffix lookups: measured ≈ 0 next to a forward
-    if isinstance(drafter, (DraftModelDrafter, HeadDrafter)) and target is not None:
-        # decode is memory-bound: a draft forward ≈ the target's T(1) scaled by the weight bytes streamed, and a
-        # catch-up token ≈ the target's per-row cost scaled by the weights (multiply-adds) it passes through;
-        # EAGLE runs once per draft position, Medusa once per step
-        share = drafter.weight_nbytes / max(1, target.weight_nbytes)
-        per_forward = t1 * share
-        per_draft_token = isinstance(drafter, DraftModelDrafter) or drafter.forward_per_draft_token
-        per_token = per_forward if per_draft_token else 0.0
-        drafter_cost = DrafterCost(per_token_s=per_token, per_step_s=per_forward, batched=True,
-                                   catch_up_per_token_s=per_row * share)
+    described = drafter.cost_description() if drafter is not None and target is not None else None
+    drafter_cost = DrafterCost()  # no model forward (ngram / suffix lookups): measured ≈ 0 next to a forward
+    if described is not None and described.forward_weight_nbytes:
+        drafter_cost = _estimated_drafter_cost(described, forward, target.weight_nbytes)
     if profile is None:
         return CostModel.fallback(max_verify_tokens, drafter_cost)
     return CostModel(profile.forward, drafter_cost, context=profile.context)
+
+
+def _estimated_drafter_cost(described: DrafterCostDescription, forward: ForwardCosts,
+                            target_weight_nbytes: int) -> DrafterCost:
+    """A drafter running model forwards, priced from the target's T(n) until it is measured. Decoding is
+    memory-bound: a draft forward ≈ the target's T(1) scaled by the weight bytes it streams, and a catch-up token ≈
+    the target's per-row cost of its widest forward (a prefill is compute-bound) scaled by the weights
+    (multiply-adds) it passes through; a forward per draft position (draft model, EAGLE) or one per step (Medusa),
+    shared by the step's sequences."""
+    share = described.forward_weight_nbytes / max(1, target_weight_nbytes)
+    per_forward = forward(1) * share
+    per_row = forward(forward.max_rows) / forward.max_rows
+    per_token = per_forward if described.forward_per_draft_token else 0.0
+    return DrafterCost(per_token_s=per_token, per_step_s=per_forward, batched=True,
+                       catch_up_per_token_s=per_row * share)
