@@ -17,7 +17,7 @@ MODEL_MEANING = {
 METHODS_WITHOUT_DRAFT_MODEL = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_DRAFT_BRANCHES = 8
-# num_draft_branches when the config leaves it out: the drafters that grow weighed dynamic trees, cut by the cost
+# num_draft_branches when the config leaves it out: the drafters that grow dynamic trees with acceptance probabilities, cut by the cost
 # model, draft trees (measured: docs/methods.md, token trees); lookups draft chains.
 DEFAULT_DRAFT_BRANCHES = {"draft_model": 4, "eagle": 4}
 DRAFT_WEIGHT_FORMATS = ("auto", "q4", "q8", "fp32")  # models/layers.py: WEIGHT_FORMATS

@@ -1,6 +1,6 @@
 """Draft-model token trees (EAGLE-2's dynamic tree): the first branch is the chain; the other nodes are the
 likeliest next tokens of the likeliest paths, each computed exactly as the draft model decodes its path alone
-(scratch positions with tree keys), weighed by its path probability."""
+(scratch positions with tree keys), its acceptance probability its path probability."""
 import pytest
 import torch
 
@@ -36,7 +36,7 @@ def leaf_paths(tree):
 def test_tree_nodes_are_the_likeliest_children_of_their_paths_decoded_alone(make_tiny_model, architecture, overrides,
                                                                             num_branches):
     """Every node of the dynamic tree is among the num_branches likeliest next tokens of its path run alone in a
-    fresh cache (so the scratch rows attend exactly their own paths), weighed by its path probability; the
+    fresh cache (so the scratch rows attend exactly their own paths), its acceptance probability its path probability; the
     first branch is the chain draft and the other nodes come best first."""
     model = make_tiny_model(architecture, **overrides)
     k = 5
@@ -50,25 +50,25 @@ def test_tree_nodes_are_the_likeliest_children_of_their_paths_decoded_alone(make
         path = [tree.token_ids[n] for n in tree.path(node)]
         probs, best = next_token_probs(model, PROMPT + path[:-1])
         assert path[-1] in probs.topk(num_branches).indices.tolist(), (node, path)
-        parent_worth = 1.0 if tree.parents[node] < 0 else tree.worths[tree.parents[node]]
-        assert tree.worths[node] == pytest.approx(parent_worth * float(probs[path[-1]]), rel=1e-4)
-    extra = tree.worths[len(draft.token_ids):]
+        parent_prob = 1.0 if tree.parents[node] < 0 else tree.acceptance_probs[tree.parents[node]]
+        assert tree.acceptance_probs[node] == pytest.approx(parent_prob * float(probs[path[-1]]), rel=1e-4)
+    extra = tree.acceptance_probs[len(draft.token_ids):]
     assert list(extra) == sorted(extra, reverse=True)
 
 
 def test_tree_nodes_respect_the_threshold(make_tiny_model):
     model = make_tiny_model("qwen2")
     k = 4
-    # a node is worth the draft probability of its path (< 1): a threshold of 1 allows none -> a chain
+    # a node's acceptance probability is the draft probability of its path (< 1): a threshold of 1 allows none -> a chain
     drafter = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, num_branches=3, min_branch_prob=1.0)
     drafter.add_request("r", PROMPT, SamplingParams(), None)
     (draft,) = drafter.propose(["r"], [k])
     assert draft.tree is None and draft.token_ids == chain(model, PROMPT, k)
-    # a threshold keeps only nodes worth it (and drops the rest of their subtrees with them)
+    # a threshold keeps only nodes that reach it (and drops the rest of their subtrees with them)
     drafter = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, num_branches=3, min_branch_prob=0.02)
     drafter.add_request("r", PROMPT, SamplingParams(), None)
     (draft,) = drafter.propose(["r"], [k])
-    extra = draft.tree.worths[k:]
+    extra = draft.tree.acceptance_probs[k:]
     assert extra and min(extra) >= 0.02 and draft.tree.num_nodes < 3 * k
 
 

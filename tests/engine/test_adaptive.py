@@ -366,13 +366,13 @@ def test_costly_drafter_that_always_hits_climbs_to_the_longest_k(tiny_tokenizer)
 
 
 def test_tree_nodes_are_kept_while_they_pay_for_their_rows():
-    """CostModel.tree_nodes: extra tree nodes (worth = expected tokens they add) best first over the batch, kept
+    """CostModel.tree_nodes: extra tree nodes (acceptance probability = expected tokens they add) best first over the batch, kept
     while the step's expected tokens per second grows, never past the knee."""
     flat = CostModel(ForwardCosts.from_ratios(0.01, [1.0] * 8 + [3.0] * 24))  # free rows up to 8, then the knee
-    # one sequence, chain of 3 (rows 1 + 3), 2 expected tokens; any worth > 0 pays while rows stay free
+    # one sequence, chain of 3 (rows 1 + 3), 2 expected tokens; any acceptance probability > 0 pays while rows stay free
     assert flat.tree_nodes([3], [3], 1, 2.0, [[0.3, 0.2, 0.1, 0.05, 0.01]]) == [4]  # 4 + 4 rows = the knee
     # 5 % more time per row (hand-computed: 2.0 -> 2.3 -> 2.45 tokens over 1.15 -> 1.2 -> 1.25 units of T(1), i.e.
-    # 1.739 -> 1.917 -> 1.960 tokens per unit; the third, worth 0.08, would make 2.53 / 1.3 = 1.946 < 1.960)
+    # 1.739 -> 1.917 -> 1.960 tokens per unit; the third, at 0.08, would make 2.53 / 1.3 = 1.946 < 1.960)
     steep = CostModel(ForwardCosts.linear(0.01, 0.05))
     assert steep.tree_nodes([3], [3], 1, 2.0, [[0.3, 0.15, 0.08]]) == [2]
     assert steep.tree_nodes([3], [3], 1, 2.0, [[0.3, 0.15, 0.1]]) == [3]  # 2.55 / 1.3 = 1.962: just pays
@@ -384,18 +384,19 @@ def test_tree_nodes_are_kept_while_they_pay_for_their_rows():
     assert flat.tree_nodes([2], [5], 1, 2.0, [[0.5, 0.5, 0.5]]) == [2]  # 5 rows verified anyway (an unweighed tree)
 
 
-def test_tree_node_worths_are_calibrated_by_what_the_target_accepts(tiny_tokenizer):
-    """Worths (draft path probabilities) that the target accepts half as often count half: a node worth 0.3 that
-    pays at face value no longer pays once the policy has seen the drafter's worths accepted at half rate."""
+def test_tree_node_acceptance_probs_are_calibrated_by_what_the_target_accepts(tiny_tokenizer):
+    """Acceptance probabilities (draft path probabilities) that the target accepts half as often count half: a node
+    at 0.3 that pays at face value no longer pays once the policy has seen the drafter's nodes accepted at half that
+    rate."""
     policy = AdaptiveDraftPolicy(3, CostModel(ForwardCosts.linear(0.01, 0.05)))
     seq = make_seq(tiny_tokenizer)
     policy.draft_lengths([seq], batch_size=1)
-    assert policy.worth_calibration.scale == 1.0
+    assert policy.acceptance_prob_calibration.scale == 1.0
     keep = lambda: policy.tree_nodes([seq], [3], [3], [[0.12]], batch_size=1)  # noqa: E731
     assert keep() == [1]
     for _ in range(40):
         policy.observe_tree_acceptance(4.0, 2)
-    assert policy.worth_calibration.scale == pytest.approx(0.5, abs=0.02)
+    assert policy.acceptance_prob_calibration.scale == pytest.approx(0.5, abs=0.02)
     assert keep() == [0]
 
 

@@ -116,7 +116,7 @@ def test_greedy_output_with_an_eagle_tree_identical_to_plain(make_tiny_model, ti
 def test_growing_tree_expands_and_keeps_the_likeliest_paths():
     """EAGLE-2's dynamic tree on hand-made distributions: which nodes are expanded, where their rows sit in the
     cache and what they attend, and which nodes the draft keeps (chain first, then by path probability)."""
-    from specdec.drafters.growth import GrowingTree
+    from specdec.drafters.tree_growth import GrowingTree
 
     def grown(max_nodes):
         tree = GrowingTree(base=10, max_depth=3, width=2, min_prob=0.05, max_nodes=max_nodes, cache_len=100)
@@ -139,13 +139,13 @@ def test_growing_tree_expands_and_keeps_the_likeliest_paths():
     chain, tree = grown(max_nodes=6).draft()
     assert chain == (10, 12, 11)
     assert tree.token_ids == (10, 12, 11, 11, 10, 13) and tree.parents == (-1, 0, 1, -1, 3, 0)
-    chain, tree = grown(max_nodes=20).draft()  # every node worth min_prob, ties by depth then order
+    chain, tree = grown(max_nodes=20).draft()  # every node reaching min_prob, ties by depth then order
     assert tree.token_ids == (10, 12, 11, 11, 10, 13, 12, 13) and tree.parents == (-1, 0, 1, -1, 3, 0, 4, 4)
     assert [round(node.path_prob, 4) for node in grown(6).nodes] == [0.6, 0.3, 0.27, 0.21, 0.27, 0.015, 0.243,
                                                                      0.0162, 0.135, 0.135]
     sure = GrowingTree(base=0, max_depth=1, width=3, min_prob=0.05, max_nodes=3, cache_len=8)
     sure.add_children(-1, 7, 0.97, [7, 8, 9], [0.97, 0.02, 0.01])
-    assert sure.draft() == ((7,), None)  # nothing else worth it: the chain alone
+    assert sure.draft() == ((7,), None)  # nothing else reaches it: the chain alone
     cramped = GrowingTree(base=4, max_depth=3, width=3, min_prob=0.0, max_nodes=9, cache_len=8)
     cramped.add_children(-1, 1, 0.5, [1, 2, 3], [0.5, 0.3, 0.2])
     assert cramped.to_expand(0) == [0, 1]  # one scratch position left (7): one node besides the chain's
@@ -211,7 +211,7 @@ def test_sampled_requests_draft_eagle_chains_and_medusa_refuses_trees(make_tiny_
                                      "num_draft_branches": 2})
 
 
-def test_engine_cuts_weighed_eagle_trees_to_what_the_policy_keeps(make_tiny_model, tiny_tokenizer, trained_heads):
+def test_engine_cuts_eagle_trees_to_what_the_policy_keeps(make_tiny_model, tiny_tokenizer, trained_heads):
     """The draft policy decides how many of an EAGLE tree's extra nodes a step verifies: with none kept the trees
     are verified as their chains (same tokens per step as the chain drafter), with all kept they are larger."""
     from specdec.drafters.heads import EagleDrafter
@@ -222,9 +222,9 @@ def test_engine_cuts_weighed_eagle_trees_to_what_the_policy_keeps(make_tiny_mode
             super().__init__(4, 32)
             object.__setattr__(self, "keep", keep)
 
-        def tree_nodes(self, seqs, draft_lengths, verified_nodes, extra_worths, batch_size):
-            assert all(list(w) == sorted(w, reverse=True) for w in extra_worths)  # best first
-            return [min(self.keep, len(w)) for w in extra_worths]
+        def tree_nodes(self, seqs, draft_lengths, verified_nodes, extra_acceptance_probs, batch_size):
+            assert all(list(p) == sorted(p, reverse=True) for p in extra_acceptance_probs)  # likeliest first
+            return [min(self.keep, len(p)) for p in extra_acceptance_probs]
 
     model = make_tiny_model("qwen2")
     trainer = trained_heads("qwen2", "eagle")

@@ -6,12 +6,12 @@ sequence stays valid (rollback = truncating that list), and the next proposal fi
 draft model has not seen yet — the recovered/bonus token, and after a fully accepted draft also the last
 draft token (catch-up), all in the same batched forward.
 
-With num_branches = b > 1 a greedy request drafts EAGLE-2's dynamic tree (drafters.growth): at every depth the
+With num_branches = b > 1 a greedy request drafts EAGLE-2's dynamic tree (drafters.tree_growth): at every depth the
 draft model expands the chain's node and the b - 1 other nodes whose paths it finds likeliest, one row each in
 the same forward (the chain in place in the draft cache, the others at scratch positions attending their own
 paths, so each row is its path decoded alone), and each adds its b most likely next tokens. The chain is exactly
-the chain draft; the other nodes follow it best first, weighed by their path probability, and the engine keeps
-those worth their verify rows. Sampled requests draft chains: each draft token is drawn with the request's
+the chain draft; the other nodes follow it likeliest first, their path probability their acceptance probability, and
+the engine keeps those that pay for their verify rows. Sampled requests draft chains: each draft token is drawn with the request's
 draft number of its output index (verify/noise.py), plain decoding's own under exact acceptance.
 
 With draft_token_ids (`draft_vocab_size`), the draft model computes only those rows of its output layer (the
@@ -34,7 +34,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.cache.prefix_store import PrefixCache, common_prefix_length
 from specdec.config import SamplingParams
 from specdec.drafters.base import Draft, Drafter, DrafterCostDescription
-from specdec.drafters.growth import depth_batches, new_growth
+from specdec.drafters.tree_growth import depth_batches, new_growth
 from specdec.drafters.tree import check_tree_args
 from specdec.models.batch import ForwardBatch
 from specdec.models.layers import Linear

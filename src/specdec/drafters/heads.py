@@ -20,7 +20,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.base import (Draft, DrafterCostDescription, HiddenStateDrafter, check_propose_args,
                                    unknown_request_error)
-from specdec.drafters.growth import depth_batches, new_growth
+from specdec.drafters.tree_growth import depth_batches, new_growth
 from specdec.drafters.tree import check_tree_args
 from specdec.models.batch import ForwardBatch
 from specdec.heads.modules import EagleHead, MedusaHeads, TargetParts
@@ -122,7 +122,7 @@ class EagleDrafter(HeadDrafter):
     step j feeds (predicted state, draft j) at the next position. Afterwards only the real pairs count as
     cached (rollback by length): the next step's real hidden rows overwrite the drafted positions.
 
-    num_branches = b > 1 (greedy requests): EAGLE-2's dynamic tree by draft confidence (drafters.growth.GrowingTree).
+    num_branches = b > 1 (greedy requests): EAGLE-2's dynamic tree by draft confidence (drafters.tree_growth.GrowingTree).
     At every depth the head expands the chain's node and the b - 1 other nodes whose paths it finds likeliest
     (one head row each, all requests in one forward), each adding its b best next tokens; the draft is the chain
     then the other nodes by path probability (at least min_branch_prob), up to b * k nodes, which the engine cuts

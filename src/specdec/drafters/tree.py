@@ -21,16 +21,17 @@ from dataclasses import dataclass
 class DraftTree:
     token_ids: tuple[int, ...]  # [nodes] draft token of each node
     parents: tuple[int, ...]  # [nodes] parent node index, -1 = child of the last committed token
-    # [nodes] the drafter's estimate that each node's path is accepted (its draft path probability), best nodes
-    # after the first branch in decreasing order; None: the drafter gives none (the engine then keeps the tree
-    # as its row budget allows, without weighing nodes)
-    worths: tuple[float, ...] | None = None
+    # [nodes] each node's acceptance probability: the drafter's estimate that the target accepts it (its draft path
+    # probability), the nodes after the first branch in decreasing order; None: the drafter gives none (the engine
+    # then keeps the tree as its row budget allows, without asking the draft policy which nodes pay)
+    acceptance_probs: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.parents):
             raise ValueError(f"DraftTree has {len(self.token_ids)} tokens but {len(self.parents)} parents")
-        if self.worths is not None and len(self.worths) != len(self.token_ids):
-            raise ValueError(f"DraftTree has {len(self.token_ids)} tokens but {len(self.worths)} worths")
+        if self.acceptance_probs is not None and len(self.acceptance_probs) != len(self.token_ids):
+            raise ValueError(f"DraftTree has {len(self.token_ids)} tokens but {len(self.acceptance_probs)} "
+                             "acceptance probabilities")
         bad = [(i, p) for i, p in enumerate(self.parents) if not -1 <= p < i]
         if bad:
             raise ValueError(f"DraftTree parents must satisfy -1 <= parents[i] < i, got (node, parent) {bad[:5]}")
@@ -115,8 +116,8 @@ class DraftTree:
 
     def truncated(self, max_nodes: int) -> "DraftTree":
         """The first max_nodes nodes (still a tree: parents come first)."""
-        worths = None if self.worths is None else self.worths[:max_nodes]
-        return DraftTree(self.token_ids[:max_nodes], self.parents[:max_nodes], worths)
+        probs = None if self.acceptance_probs is None else self.acceptance_probs[:max_nodes]
+        return DraftTree(self.token_ids[:max_nodes], self.parents[:max_nodes], probs)
 
 
 def distinct_branches(branches: Iterable[Sequence[int]], limit: int) -> list[tuple[int, ...]]:

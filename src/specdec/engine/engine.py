@@ -258,10 +258,10 @@ class Engine:
         results = [self._verify(seq, draft, tree, logits)
                    for seq, draft, tree, logits in zip(seqs, drafts, trees, logits_per_seq)]
         done = time.perf_counter()
-        weighed = [(sum(tree.worths), result.accepted_count) for tree, result in zip(trees, results)
-                   if tree is not None and tree.worths is not None]
-        if weighed:
-            self.draft_policy.observe_tree_acceptance(sum(w for w, _ in weighed), sum(a for _, a in weighed))
+        estimated = [(sum(tree.acceptance_probs), result.accepted_count) for tree, result in zip(trees, results)
+                     if tree is not None and tree.acceptance_probs is not None]
+        if estimated:
+            self.draft_policy.observe_tree_acceptance(sum(p for p, _ in estimated), sum(a for _, a in estimated))
         step_times = (drafted - start, verified_at - drafted, done - verified_at)
         self._record_times(self.metrics, step_times)
         self.draft_policy.observe_step(StepCost(len(batch.token_ids), tuple(len(d.token_ids) for d in drafts),
@@ -295,21 +295,22 @@ class Engine:
             proposed = self.drafter.propose([seq.request_id for seq in speculating], budgets)
             node_budget = max(max(lengths), self.max_verify_tokens // len(seqs) - 1)
             capped = [draft.capped(seq.max_draft_tokens(node_budget)) for seq, draft in zip(speculating, proposed)]
-            drafts = dict(zip((seq.request_id for seq in speculating), self._weigh_trees(speculating, capped, planned_batch)))
+            drafts = dict(zip((seq.request_id for seq in speculating), self._cut_trees_to_what_pays(speculating, capped, planned_batch)))
         return _Proposal([drafts.get(seq.request_id, EMPTY_DRAFT) for seq in seqs],
                          sum(tokens for tokens, k in zip(catch_up, lengths) if k))
 
-    def _weigh_trees(self, seqs: list[Sequence], drafts: list[Draft], batch_size: int) -> list[Draft]:
-        """Cuts the trees whose nodes the drafter weighed (DraftTree.worths) to the extra nodes the draft policy
-        finds worth their rows; the first branch always stays."""
+    def _cut_trees_to_what_pays(self, seqs: list[Sequence], drafts: list[Draft], batch_size: int) -> list[Draft]:
+        """Cuts the trees whose nodes carry acceptance probabilities (DraftTree.acceptance_probs) to the extra nodes
+        the draft policy finds pay for their rows; the first branch always stays."""
         trees = [_verified_tree(seq, d) for seq, d in zip(seqs, drafts)]
-        weighed = [tree is not None and tree.worths is not None for tree in trees]
-        if not any(weighed):
+        estimated = [tree is not None and tree.acceptance_probs is not None for tree in trees]
+        if not any(estimated):
             return drafts
-        verified = [len(d.token_ids) if w else len((tree or d).token_ids) for d, tree, w in zip(drafts, trees, weighed)]
-        extra_worths = [tree.worths[len(d.token_ids):] if w else () for d, tree, w in zip(drafts, trees, weighed)]
-        kept = self.draft_policy.tree_nodes(seqs, [len(d.token_ids) for d in drafts], verified, extra_worths, batch_size)
-        return [d.capped(len(d.token_ids) + n) if w else d for d, w, n in zip(drafts, weighed, kept)]
+        verified = [len(d.token_ids) if e else len((tree or d).token_ids) for d, tree, e in zip(drafts, trees, estimated)]
+        extra_probs = [tree.acceptance_probs[len(d.token_ids):] if e else ()
+                       for d, tree, e in zip(drafts, trees, estimated)]
+        kept = self.draft_policy.tree_nodes(seqs, [len(d.token_ids) for d in drafts], verified, extra_probs, batch_size)
+        return [d.capped(len(d.token_ids) + n) if e else d for d, e, n in zip(drafts, estimated, kept)]
 
     def _planning_batch_size(self, decoding: int) -> int:
         """The batch size the draft policy plans for: the decoding sequences plus those about to join them

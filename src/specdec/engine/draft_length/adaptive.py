@@ -174,28 +174,29 @@ class PopulationPrior:
 
 
 @dataclass
-class WorthCalibration:
-    """How a drafter's tree-node worths (its path probabilities) compare with what the target accepts.
+class AcceptanceProbCalibration:
+    """How a drafter's tree-node acceptance probabilities (its path probabilities) compare with what the target
+    accepts.
 
-    Decayed sums of the worth of verified weighed nodes and of the nodes accepted among them; `scale` (accepted
-    per unit of worth, starting from a prior of `prior_nodes` nodes taken at face value) multiplies the worths
-    before the cost model weighs them. Measured here: the Qwen2.5-Coder EAGLE head's path probabilities are
+    Decayed sums of the acceptance probabilities of the verified nodes that carry one and of the nodes accepted
+    among them; `scale` (accepted nodes per unit of acceptance probability, starting from a prior of `prior_nodes`
+    nodes taken at face value) multiplies the probabilities before the cost model prices the nodes. Measured here: the Qwen2.5-Coder EAGLE head's path probabilities are
     about 1.6x its acceptance (docs/draft-length.md, trees), which would make trees look worth more rows
     than they are.
     """
 
     decay: float = 0.95  # per verify step: about the last 20 steps count
     prior_nodes: float = 2.0
-    worth: float = 0.0
+    acceptance_prob_sum: float = 0.0
     accepted: float = 0.0
 
-    def observe(self, worth: float, accepted: int) -> None:
-        self.worth = self.decay * self.worth + worth
+    def observe(self, acceptance_prob_sum: float, accepted: int) -> None:
+        self.acceptance_prob_sum = self.decay * self.acceptance_prob_sum + acceptance_prob_sum
         self.accepted = self.decay * self.accepted + accepted
 
     @property
     def scale(self) -> float:
-        return (self.accepted + self.prior_nodes) / (self.worth + self.prior_nodes)
+        return (self.accepted + self.prior_nodes) / (self.acceptance_prob_sum + self.prior_nodes)
 
 
 def _expected_per_request(draft_lengths: SequenceOf[int], estimates: SequenceOf[AcceptanceEstimate]) -> list[float]:
@@ -242,7 +243,7 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         self._estimates: dict[str, tuple[Sequence, AcceptanceEstimate]] = {}
         self.population = PopulationPrior(prior_alpha)
         self._steady_drafting = False  # whether the last step's drafting requests all drafted the step before
-        self.worth_calibration = WorthCalibration()
+        self.acceptance_prob_calibration = AcceptanceProbCalibration()
 
     def estimate(self, seq: Sequence) -> AcceptanceEstimate:
         """The request's acceptance estimate, up to date with its metrics (a new one for a new Sequence)."""
@@ -333,18 +334,18 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         return kept
 
     def tree_nodes(self, seqs: SequenceOf[Sequence], draft_lengths: SequenceOf[int], verified_nodes: SequenceOf[int],
-                   extra_worths: SequenceOf[SequenceOf[float]], batch_size: int) -> list[int]:
+                   extra_acceptance_probs: SequenceOf[SequenceOf[float]], batch_size: int) -> list[int]:
         """Extra tree nodes while they raise the step's expected tokens per second (CostModel.tree_nodes); the
-        chains' expected tokens come from the requests' acceptance estimates, the nodes' from their worths times
-        the measured worth calibration."""
+        chains' expected tokens come from the requests' acceptance estimates, the nodes' from their acceptance
+        probabilities times the measured calibration (AcceptanceProbCalibration)."""
         tokens = _batch_tokens(_expected_per_request(draft_lengths, [self.estimate(seq) for seq in seqs]), batch_size)
-        scale = self.worth_calibration.scale
+        scale = self.acceptance_prob_calibration.scale
         return self.cost_model.tree_nodes(draft_lengths, verified_nodes, batch_size, tokens,
-                                          [[worth * scale for worth in worths] for worths in extra_worths],
+                                          [[prob * scale for prob in probs] for probs in extra_acceptance_probs],
                                           [seq.num_cached for seq in seqs], self.max_rows)
 
-    def observe_tree_acceptance(self, worth: float, accepted: int) -> None:
-        self.worth_calibration.observe(worth, accepted)
+    def observe_tree_acceptance(self, acceptance_prob_sum: float, accepted: int) -> None:
+        self.acceptance_prob_calibration.observe(acceptance_prob_sum, accepted)
 
     def _reprobe(self, lengths: list[int], estimates: list[AcceptanceEstimate], batch_size: int,
                  contexts: list[int]) -> list[int]:

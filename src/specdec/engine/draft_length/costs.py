@@ -357,14 +357,15 @@ class CostModel:
 
 
     def tree_nodes(self, draft_lengths: SequenceOf[int], verified_nodes: SequenceOf[int], batch_size: int,
-                   tokens: float, extra_worths: SequenceOf[SequenceOf[float]], contexts: SequenceOf[int] | None = None,
+                   tokens: float, extra_acceptance_probs: SequenceOf[SequenceOf[float]],
+                   contexts: SequenceOf[int] | None = None,
                    max_rows: int | None = None) -> list[int]:
         """How many of each sequence's extra tree nodes to verify, beyond the verified_nodes[b] it verifies anyway
-        (its chain of draft_lengths[b], or a tree the drafter did not weigh).
+        (its chain of draft_lengths[b], or a tree without acceptance probabilities).
 
-        tokens: the step's expected tokens without extra nodes (the whole batch's). A node's worth is the drafter's estimate that it is
-        accepted, i.e. the tokens it adds on average; a sequence's worths are in decreasing order (a node is worth
-        no more than its parent). Nodes are added best first, over all sequences, while batch_size + rows stays
+        tokens: the step's expected tokens without extra nodes (the whole batch's). A node's acceptance probability
+        (the drafter's estimate that the target accepts it) is the tokens it adds on average; a sequence's are in
+        decreasing order (a node is no likelier than its parent). Nodes are added best first, over all sequences, while batch_size + rows stays
         within the knee (and max_rows); the count with the best expected tokens per second is kept (ties: fewer).
         The drafting is done, but its cost counts in the step's seconds as in `allocate`.
         """
@@ -376,13 +377,13 @@ class CostModel:
             return tokens / (self.target_seconds(batch_size + sum(nodes), nodes, contexts) + self.drafter(draft_lengths))
 
         best, best_speed = list(extra), speed()
-        offers = sorted(((worth, b, j) for b, worths in enumerate(extra_worths) for j, worth in enumerate(worths)),
+        offers = sorted(((prob, b, j) for b, probs in enumerate(extra_acceptance_probs) for j, prob in enumerate(probs)),
                         key=lambda offer: (-offer[0], offer[1], offer[2]))
-        for worth, b, _ in offers:
+        for prob, b, _ in offers:
             if batch_size + sum(verified_nodes) + sum(extra) >= row_limit:
                 break
             extra[b] += 1
-            tokens += worth
+            tokens += prob
             current = speed()
             if current > best_speed * (1 + 1e-9):
                 best, best_speed = list(extra), current

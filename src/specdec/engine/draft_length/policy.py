@@ -24,16 +24,17 @@ class DraftLengthPolicy(ABC):
     def observe_step(self, cost: StepCost) -> None:
         """Policies that plan with measured costs learn from each step here; fixed policies need nothing."""
 
-    def observe_tree_acceptance(self, worth: float, accepted: int) -> None:
-        """A step verified trees whose nodes the drafter weighed: their worths summed to `worth`, and the target
-        accepted `accepted` of their nodes (policies that weigh tree nodes calibrate the worths with this)."""
+    def observe_tree_acceptance(self, acceptance_prob_sum: float, accepted: int) -> None:
+        """A step verified trees whose nodes carry acceptance probabilities: they summed to `acceptance_prob_sum`
+        (the nodes the drafter expected accepted), and the target accepted `accepted` of the nodes (policies that
+        cut trees by those probabilities calibrate them with this)."""
 
     def tree_nodes(self, seqs: SequenceOf[Sequence], draft_lengths: SequenceOf[int], verified_nodes: SequenceOf[int],
-                   extra_worths: SequenceOf[SequenceOf[float]], batch_size: int) -> list[int]:
-        """How many of each sequence's weighed extra tree nodes (drafter's acceptance estimates extra_worths[i], in
-        decreasing order) to verify besides its verified_nodes[i] (see CostModel.tree_nodes). Fixed policies
+                   extra_acceptance_probs: SequenceOf[SequenceOf[float]], batch_size: int) -> list[int]:
+        """How many of each sequence's extra tree nodes (their acceptance probabilities extra_acceptance_probs[i],
+        in decreasing order) to verify besides its verified_nodes[i] (see CostModel.tree_nodes). Fixed policies
         verify them all (the engine caps trees at each sequence's share of max_verify_tokens)."""
-        return [len(worths) for worths in extra_worths]
+        return [len(probs) for probs in extra_acceptance_probs]
 
     @abstractmethod
     def draft_lengths(self, seqs: SequenceOf[Sequence], batch_size: int,

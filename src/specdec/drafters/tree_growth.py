@@ -1,6 +1,6 @@
-"""Drafting depth by depth, one forward of the drafter per depth for every request of the batch: a request's
-draft grows either as a chain (its argmax or sampled token at each depth) or, for greedy requests with
-num_branches > 1, as EAGLE-2's dynamic tree (`GrowingTree`). The draft model and the EAGLE head both draft
+"""Growing drafts, and draft trees, depth by depth: one forward of the drafter per depth for every request of the
+batch, and a request's draft grows either as a chain (its argmax or sampled token at each depth) or, for greedy
+requests with num_branches > 1, as EAGLE-2's dynamic draft tree (`GrowingTree`). The draft model and the EAGLE head both draft
 this way (`DraftGrowth`); they differ only in what one forward row reads (a model's KV cache, or the head's
 cache plus the predicted target state).
 """
@@ -44,14 +44,15 @@ class TreeRows:
 
 class GrowingTree:
     """EAGLE-2's dynamic draft tree for one greedy request, grown depth by depth from the drafter's own
-    confidence: a node's worth is its path probability, the product of the draft probabilities along its path.
+    confidence: a node's acceptance probability (the drafter's estimate that the target accepts it) is its path
+    probability, the product of the draft probabilities along its path.
 
     Depth 0 holds the root's children (`add_children(-1, ...)`). At each depth the drafter expands (runs one
-    forward row for) the greedy chain's node and the `width - 1` other nodes of that depth worth the most (at
-    least `min_prob`); every expanded node adds its argmax child (on the chain when the node is) and its best
+    forward row for) the greedy chain's node and the `width - 1` likeliest other nodes of that depth (path
+    probability at least `min_prob`); every expanded node adds its argmax child (on the chain when the node is) and its best
     other children, `width` in all. The draft (`draft`) is the chain, depths 0 .. max_depth - 1 exactly as a
-    chain drafter proposes it, followed by the other nodes worth at least min_prob, best first, up to
-    `max_nodes` nodes in all: a node's parent is worth at least as much as the node, so every prefix of that
+    chain drafter proposes it, followed by the other nodes with a path probability of at least min_prob, likeliest
+    first, up to `max_nodes` nodes in all: a node's parent is at least as likely as the node, so every prefix of that
     order is a tree, and cutting it (the engine's row budget) keeps the best nodes.
 
     Cache positions (relative to `base`, the position of the depth-0 nodes): the chain's node at depth d sits in
@@ -90,8 +91,8 @@ class GrowingTree:
             self.nodes.append(_GrownNode(token_id, parent, depth, parent_prob * prob, on_chain))
 
     def to_expand(self, depth: int) -> list[int]:
-        """The nodes of `depth` to expand: the chain's node, then up to width - 1 others worth at least min_prob
-        (best first), as many as fit in the scratch positions. None at the last depth."""
+        """The nodes of `depth` to expand: the chain's node, then up to width - 1 others with a path probability of
+        at least min_prob (likeliest first), as many as fit in the scratch positions. None at the last depth."""
         if depth + 1 >= self.max_depth:
             return []
         chain = [i for i, node in enumerate(self.nodes) if node.depth == depth and node.on_chain]
@@ -135,7 +136,8 @@ class GrowingTree:
         return sorted((i for i, node in enumerate(self.nodes) if node.on_chain), key=lambda i: self.nodes[i].depth)
 
     def draft(self) -> tuple[tuple[int, ...], DraftTree | None]:
-        """(the chain's tokens, the tree to verify or None when no other node is worth min_prob)."""
+        """(the chain's tokens, the tree to verify or None when no other node reaches min_prob), the tree's
+        acceptance probabilities its nodes' path probabilities."""
         chain = self.chain()
         others = sorted((i for i, node in enumerate(self.nodes) if not node.on_chain and node.path_prob >= self.min_prob),
                         key=lambda i: (-self.nodes[i].path_prob, self.nodes[i].depth, i))
