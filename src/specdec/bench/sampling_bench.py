@@ -5,7 +5,7 @@
 
 One target (default Qwen2.5-Coder-1.5B-Instruct) is loaded once and shared by every LLM: plain decoding, and per
 drafter one LLM with acceptance "exact" and one with "rejection" (the draft model, default Qwen2.5-Coder-0.5B-Instruct,
-is loaded by each of its two LLMs). Every speculative LLM drafts a fixed k tokens per step (draft policy "fixed",
+is loaded by each of its two LLMs); the LLMs are built afresh for every temperature. Every speculative LLM drafts a fixed k tokens per step (draft policy "fixed",
 chains), so acceptance figures do not depend on the machine's speed. The prompts are the first turns of the
 datasets' first questions, taken in turn from each file, in the model's chat template; prompt i is sampled with
 seed --seed + i at every temperature (top-k and top-p off unless given), by plain decoding and by every
@@ -36,7 +36,7 @@ DEFAULT_DATASETS = ("../shared/data/humaneval_dev.jsonl", "../shared/data/spec_b
 DRAFTERS = ("ngram", "suffix", "draft_model")
 PLAIN = "plain"
 EXIT_NOT_EXACT = 1
-WARMUP_MESSAGES = [{"role": "user", "content": "Say hello and name three colours."}]
+WARMUP_TEXT = "Say hello and name three colours."
 WARMUP_TOKENS = 8
 
 
@@ -161,7 +161,7 @@ def build_llms(loaded, setup: BenchSetup) -> dict[Case, Any]:
             for case in cases(setup)}
 
 
-def load_prompts(paths: list[str], count: int, llm) -> list[tuple[str, list[int]]]:
+def load_prompts(paths: list[str], count: int, tokenizer) -> list[tuple[str, list[int]]]:
     """(question id, chat prompt ids) of the first turns of the files' first questions, one file after the other."""
     from specdec.datasets import load_questions
 
@@ -170,8 +170,13 @@ def load_prompts(paths: list[str], count: int, llm) -> list[tuple[str, list[int]
                    for questions in per_file if i < len(questions)]
     if len(interleaved) < count:
         raise ValueError(f"--prompts {count}: only {len(interleaved)} questions in {', '.join(paths)}")
-    return [(f"{q.dataset}/{q.question_id}", llm.encode_prompt([{"role": "user", "content": q.turns[0]}], chat=True))
-            for q in interleaved[:count]]
+    return [(f"{q.dataset}/{q.question_id}", chat_prompt(tokenizer, q.turns[0])) for q in interleaved[:count]]
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    """One user turn in the chat template, as LLM.encode_prompt(..., chat=True) encodes it."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def sampling_params(setup: BenchSetup, temperature: float, seed: int, max_tokens: int) -> SamplingParams:
@@ -185,10 +190,10 @@ def generate_once(llm, prompt_ids: list[int], params: SamplingParams) -> tuple[A
     return output, time.perf_counter() - started
 
 
-def warm_up(llms: dict[Case, Any], setup: BenchSetup) -> None:
+def warm_up(llms: dict[Case, Any], setup: BenchSetup, tokenizer) -> None:
     """One short sampled generation per LLM (kernel set-up, first-call allocations), excluded from the figures."""
+    prompt = chat_prompt(tokenizer, WARMUP_TEXT)
     for llm in llms.values():
-        prompt = llm.encode_prompt(WARMUP_MESSAGES, chat=True)
         llm.generate([prompt], sampling_params(setup, setup.temperatures[0], setup.seed, WARMUP_TOKENS))
 
 
@@ -286,13 +291,15 @@ def metadata(setup: BenchSetup, threads: int, kernels: dict[str, Any], argv: lis
 
 def run(setup: BenchSetup, loaded, datasets: list[str], threads: int, kernels: dict[str, Any],
         argv: list[str] | None = None) -> dict[str, Any]:
-    """Builds the LLMs on the loaded target, runs every temperature; returns the results document."""
-    llms = build_llms(loaded, setup)
-    prompts = load_prompts(datasets, setup.prompts, llms[Case(PLAIN)])
-    warm_up(llms, setup)
+    """Runs every temperature on the loaded target, each with freshly built LLMs (so the suffix drafter's cache of
+    finished requests never holds a prompt's output from an earlier temperature); returns the results document."""
+    prompts = load_prompts(datasets, setup.prompts, loaded[1])
     records = []
     for temperature in setup.temperatures:
+        llms = build_llms(loaded, setup)
+        warm_up(llms, setup, loaded[1])
         records += run_temperature(llms, prompts, setup, temperature)
+        del llms  # frees the drafters (and draft models) before the next temperature builds new ones
         print(f"[temperature {temperature:g} done]", file=sys.stderr, flush=True)
     rows = summarize(records)
     return {"metadata": metadata(setup, threads, kernels, argv, prompts), "rows": [asdict(row) for row in rows],
