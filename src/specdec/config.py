@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,18 @@ class SamplingParams:
     ignore_eos: keep generating past the end-of-sequence token.
     logprobs: None = no log-probabilities; n >= 0 = the chosen token's log-probability plus the n most
         likely alternatives, from the target's raw distribution (before temperature/top-k/top-p, as vLLM).
+
+    Penalties and biases (vLLM's semantics; verify/penalties.py applies them, before temperature):
+    presence_penalty: subtracted from the logit of every token the output already holds (0 = off).
+    frequency_penalty: subtracted once per occurrence in the output (0 = off).
+    repetition_penalty: for tokens of the prompt or the output, positive logits are divided by it and negative ones
+        multiplied (HF / vLLM; 1 = off, > 1 discourages repeats).
+    logit_bias: (token id, bias) pairs (a dict is accepted) added to the logits.
+    min_tokens: end-of-sequence and stop_token_ids are banned until the output has this many tokens (stop strings
+        are not looked for before then either).
+    min_p: after temperature, tokens whose probability is below min_p times the most likely token's are dropped
+        (0 = off).
+    stop_token_ids: tokens that end the generation like end-of-sequence (kept in the token ids, not in the text).
     """
 
     temperature: float = 0.0
@@ -70,9 +83,17 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         owner = "SamplingParams"
+        self._validate_penalties(owner)
         _require_number(owner, "temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"{owner}.temperature must be >= 0 (0 = greedy), got {self.temperature}")
@@ -92,9 +113,45 @@ class SamplingParams:
             if self.logprobs > 20:
                 raise ValueError(f"{owner}.logprobs must be at most 20, got {self.logprobs}")
 
+    def _validate_penalties(self, owner: str) -> None:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            _require_number(owner, name, getattr(self, name))
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"{owner}.repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"{owner}.min_p must be in [0, 1], got {self.min_p}")
+        _require_at_least(owner, "min_tokens", self.min_tokens, 0)
+        bias = self.logit_bias
+        pairs = tuple(bias.items()) if isinstance(bias, Mapping) else bias
+        if not isinstance(pairs, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+            raise ValueError(f"{owner}.logit_bias must be a dict or a tuple of (token id, bias) pairs, got {bias!r}")
+        for token_id, value in pairs:
+            _require_at_least(owner, "logit_bias token id", token_id, 0)
+            _require_number(owner, f"logit_bias[{token_id}]", value)
+        object.__setattr__(self, "logit_bias", tuple(sorted((token_id, float(value)) for token_id, value in pairs)))
+        stop_ids = self.stop_token_ids
+        if isinstance(stop_ids, list):
+            stop_ids = tuple(stop_ids)
+        if not isinstance(stop_ids, tuple):
+            raise ValueError(f"{owner}.stop_token_ids must be a tuple of token ids, got {self.stop_token_ids!r}")
+        for token_id in stop_ids:
+            _require_at_least(owner, "stop_token_ids entry", token_id, 0)
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether penalties, biases or min_tokens change the logits (verify/penalties.py); min_p is applied with
+        temperature, top-k and top-p."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+    def token_ids_in_params(self) -> list[int]:
+        """Token ids the parameters name (logit_bias, stop_token_ids), for a range check against the vocabulary."""
+        return [token_id for token_id, _ in self.logit_bias] + list(self.stop_token_ids)
 
 
 @dataclass(frozen=True)

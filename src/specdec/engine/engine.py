@@ -38,6 +38,7 @@ from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
 from specdec.verify.exact import verify_exact, verify_exact_tree
 from specdec.verify.noise import NoiseStream, RequestNoise, random_seed
+from specdec.verify.penalties import chain_paths, process_logits, tree_paths
 from specdec.verify.rejection import RejectionUniforms, VerifyResult, verify_greedy, verify_rejection
 from specdec.verify.tree import TreeVerifyResult, verify_greedy_tree
 from specdec.verify.sampling import greedy_tokens, logits_to_probs, sample_token
@@ -234,6 +235,7 @@ class Engine:
 
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         """logits [1, vocab] -> one token, exactly as plain decoding samples it (with u of the next output index)."""
+        logits = _processed_logits(seq, logits, [()])
         if seq.params.greedy:
             return int(greedy_tokens(logits)[0])
         return sample_token(logits, seq.params, seq.noise.target(len(seq.output_token_ids)))
@@ -327,8 +329,11 @@ class Engine:
     def _verify(self, seq: Sequence, draft: Draft, tree: DraftTree | None,
                 target_logits: torch.Tensor) -> VerifyResult | TreeVerifyResult:
         """target_logits [k+1, vocab] for a chain, [nodes+1, vocab] for a tree. The first draft position is output
-        index len(seq.output_token_ids): the random numbers of a sampled request are taken from there on."""
+        index len(seq.output_token_ids): the random numbers of a sampled request are taken from there on. Penalties
+        and biases process each row with the tokens before it (verify/penalties.py), as plain decoding would."""
         start = len(seq.output_token_ids)
+        paths = tree_paths(tree.token_ids, tree.parents) if tree is not None else chain_paths(draft.token_ids)
+        target_logits = _processed_logits(seq, target_logits, paths)
         if tree is not None:
             if seq.params.greedy:
                 return verify_greedy_tree(tree, target_logits)
@@ -405,6 +410,12 @@ def _verified_tree(seq: Sequence, draft: Draft) -> DraftTree | None:
     """The tree to verify for a sequence: greedy sequences and sampled ones under exact acceptance
     (drafters.base.verifies_trees), else None (the first branch is verified as a chain)."""
     return draft.tree if draft.tree is not None and verifies_trees(seq.params, seq.noise) else None
+
+
+def _processed_logits(seq: Sequence, logits: torch.Tensor, row_paths: list[tuple[int, ...]]) -> torch.Tensor:
+    """logits [rows, vocab] with the request's penalties, biases and min_tokens; row i after row_paths[i]'s drafts."""
+    return process_logits(logits, seq.params, seq.prompt_token_ids, seq.output_token_ids, row_paths,
+                          seq.eos_token_ids)
 
 
 def _rejection_uniforms(noise: RequestNoise, start: int, num_drafted: int) -> RejectionUniforms:

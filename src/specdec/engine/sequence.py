@@ -70,7 +70,7 @@ class Sequence:
         """Adds one generated token, applies the stop rules and returns the newly streamable text."""
         self.output_token_ids.append(token_id)
         self.token_kinds.append(kind)
-        is_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
+        is_eos = (token_id in self.eos_token_ids and not self.params.ignore_eos) or token_id in self.params.stop_token_ids
         if not is_eos:
             self._add_text(self.detokenizer.push(token_id))
         if self.finish_reason is None:
@@ -88,6 +88,8 @@ class Sequence:
             return
         before = len(self.text)
         self.text += piece
+        if len(self.output_token_ids) < self.params.min_tokens:  # stop strings count from min_tokens on (vLLM)
+            return
         hits = [at for stop in self.params.stop if (at := self.text.find(stop, max(0, before - len(stop) + 1))) != -1]
         if hits:
             self.text = self.text[: min(hits)]
@@ -116,6 +118,9 @@ def new_sequence(request_id: str, prompt_token_ids: list[int], params: SamplingP
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    bad = [t for t in params.token_ids_in_params() if t >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias / stop_token_ids name token ids out of range [0, {vocab_size}): {bad[:5]}")
     return Sequence(
         request_id=request_id,
         prompt_token_ids=list(prompt_token_ids),

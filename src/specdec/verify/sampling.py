@@ -19,7 +19,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, then softmax. logits [n, vocab] -> probs [n, vocab] fp32.
+    """Temperature, then min-p, then top-k, then top-p, then softmax. logits [n, vocab] -> probs [n, vocab] fp32.
 
     Greedy params give the one-hot of the argmax, so greedy requests go through the same verifier.
     """
@@ -29,6 +29,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         return _one_hot_argmax(logits)
     scaled_logits = logits / params.temperature  # [n, vocab]
+    scaled_logits = _apply_min_p(scaled_logits, params.min_p)
     scaled_logits = _apply_top_k(scaled_logits, params.top_k)
     scaled_logits = _apply_top_p(scaled_logits, params.top_p)
     return torch.softmax(scaled_logits, dim=-1)
@@ -38,6 +39,15 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     vocab_size = logits.shape[-1]
     argmax_ids = greedy_tokens(logits)  # [n]
     return torch.nn.functional.one_hot(argmax_ids, vocab_size).to(torch.float32)  # [n, vocab]
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Mask the tokens whose probability is below min_p times the row's largest (vLLM); the most likely stays."""
+    if min_p <= 0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)  # [n, vocab]
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values  # [n, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
