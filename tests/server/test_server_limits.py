@@ -127,7 +127,8 @@ LIMITED = [  # (path, body changes, status, code, param)
 
 @pytest.mark.parametrize("path, change, status, code, param", LIMITED)
 def test_prompt_and_stop_limits(limited_server, path, change, status, code, param):
-    body = {**GOOD, "messages": [{"role": "user", "content": "hi"}], **change}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    body = {**({k: v for k, v in GOOD.items() if k != "prompt"} | chat if "chat" in path else GOOD), **change}
     response = httpx.post(limited_server.url + path, json=body, timeout=30)
     if status == 200:
         assert response.status_code == 200, response.text

@@ -36,8 +36,9 @@ from specdec.kernels.report import kernel_report
 from specdec.server.engine_loop import EngineLoop, RequestFailed, RequestHandle, WatchdogConfig, shutting_down_error
 from specdec.server.metrics import ServerMetrics
 from specdec.server.openapi import openapi_document
-from specdec.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, RequestLimits, bad_request,
-                                     parse_request, resolve_max_tokens, sampling_params)
+from specdec.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     RequestLimits, TokenizeChatRequest, TokenizeCompletionRequest, bad_request,
+                                     parse_request, parse_tokenize_request, resolve_max_tokens, sampling_params)
 from specdec.server.responses import ChatBuilder, CompletionBuilder, ResponseBuilder, sse
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,37 @@ class ServerState:
             raise bad_request("the chat prompt is empty", "messages")
         return ids
 
+    # ---- /tokenize and /detokenize (vLLM's shape) -------------------------------------------------------
+    async def read_request(self, request: Request, parse: Callable[[bytes], Any]) -> Any:
+        """The checks of `handle` before the engine: API key, JSON, body size, model (optional), limits."""
+        self.check_api_key(request)
+        check_json_content_type(request)
+        body = parse(await read_body(request, self.limits.max_body_bytes))
+        if body.model is not None:
+            self.check_model(body.model)
+        if hasattr(body, "check_prompt_length"):
+            body.check_prompt_length(self.limits)
+        return body
+
+    def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+        if isinstance(body, TokenizeChatRequest):
+            try:
+                text = self.tokenizer.apply_chat_template(body.template_messages(),
+                                                          add_generation_prompt=body.add_generation_prompt)
+            except Exception as error:  # noqa: BLE001 - template errors are the client's
+                raise bad_request(f"could not apply the chat template: {error}", "messages") from None
+        else:
+            text = body.prompt
+        tokens = self.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        vocab = self.engine.model.config.vocab_size
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise bad_request(f"token ids out of range [0, {vocab}): {bad[:5]}", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
     # ---- serving ----------------------------------------------------------------------------------------
     async def handle(self, request: Request, model_cls: type[CompletionRequest | ChatCompletionRequest],
                      prepare: Callable[[Any], PreparedPrompt]):
@@ -205,7 +237,8 @@ class ServerState:
             prepared = await asyncio.get_running_loop().run_in_executor(self.prompt_pool, prepare, body)
             max_tokens = resolve_max_tokens(prepared.requested_max_tokens, len(prepared.prompt_ids),
                                             self.max_model_len)
-            params = sampling_params(body, max_tokens, body.num_logprobs(), self.limits)
+            params = sampling_params(body, max_tokens, body.num_logprobs(), self.limits,
+                                     self.engine.model.config.vocab_size)
             handle = RequestHandle(prepared.builder.request_id, prepared.prompt_ids, params, body.speculative,
                                    asyncio.get_running_loop())
             reservation.submit(handle)
@@ -429,6 +462,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await state.handle(request, ChatCompletionRequest, state.prepare_chat)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await state.read_request(request, parse_tokenize_request)
+        return await asyncio.get_running_loop().run_in_executor(state.prompt_pool, state.tokenize, body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await state.read_request(request, lambda raw: parse_request(raw, DetokenizeRequest))
+        return await asyncio.get_running_loop().run_in_executor(state.prompt_pool, state.detokenize, body)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

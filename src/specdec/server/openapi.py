@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdec.server.protocol import ChatCompletionRequest, CompletionRequest, RequestLimits
+from specdec.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits,
+                                     TokenizeChatRequest, TokenizeCompletionRequest)
 
 ERROR_BODY = {
     "type": "object",
@@ -36,6 +37,9 @@ def openapi_document(model_name: str, limits: RequestLimits) -> dict[str, Any]:
     components: dict[str, Any] = {"Error": ERROR_BODY}
     completion = _request_schema(CompletionRequest, model_name, components)
     chat = _request_schema(ChatCompletionRequest, model_name, components)
+    tokenize = {"oneOf": [_request_schema(TokenizeCompletionRequest, model_name, components),
+                          _request_schema(TokenizeChatRequest, model_name, components)]}
+    detokenize = _request_schema(DetokenizeRequest, model_name, components)
     body_note = (f"Bodies over {limits.max_body_bytes} bytes get 413; prompts over {limits.max_prompt_chars} "
                  f"characters, more than {limits.max_stop_strings} stop strings or a stop string over "
                  f"{limits.max_stop_chars} characters get 400.")
@@ -47,6 +51,11 @@ def openapi_document(model_name: str, limits: RequestLimits) -> dict[str, Any]:
             "/v1/completions": {"post": _generation("Text completion of one prompt. " + body_note, completion)},
             "/v1/chat/completions": {"post": _generation("Chat completion with the model's chat template. "
                                                          + body_note, chat)},
+            "/tokenize": {"post": _post("Token ids of a prompt, or of messages rendered with the chat template "
+                                        "(vLLM's shape).", tokenize,
+                                        {"type": "object", "required": ["tokens", "count", "max_model_len"]})},
+            "/detokenize": {"post": _post("The text of token ids (vLLM's shape).", detokenize,
+                                          {"type": "object", "required": ["prompt"]})},
             "/v1/models": {"get": _get("The served model.", {"type": "object", "required": ["object", "data"]},
                                        ["401"])},
             "/v1/specdec/info": {"get": _get("Speculation settings and the kernel path.", {"type": "object"},
@@ -67,7 +76,8 @@ def openapi_document(model_name: str, limits: RequestLimits) -> dict[str, Any]:
 def _request_schema(model_cls, model_name: str, components: dict[str, Any]) -> dict[str, Any]:
     schema = model_cls.model_json_schema(ref_template="#/components/schemas/{model}")
     components.update(schema.pop("$defs", {}))
-    schema["properties"]["model"] = {"type": "string", "enum": [model_name], "description": "the served model id"}
+    model = {"type": "string", "enum": [model_name], "description": "the served model id"}
+    schema["properties"]["model"] = model if "model" in schema.get("required", []) else {"anyOf": [model, {"type": "null"}]}
     components[model_cls.__name__] = schema
     return {"$ref": f"#/components/schemas/{model_cls.__name__}"}
 
@@ -85,6 +95,13 @@ def _generation(summary: str, body_schema: dict[str, Any]) -> dict[str, Any]:
     return {"summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": body_schema}}},
             "responses": {"200": ok, **_error_responses(list(ERROR_STATUSES))}}
+
+
+def _post(summary: str, body_schema: dict[str, Any], ok_schema: dict[str, Any]) -> dict[str, Any]:
+    ok = {"description": summary, "content": {"application/json": {"schema": ok_schema}}}
+    return {"summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body_schema}}},
+            "responses": {"200": ok, **_error_responses(["400", "401", "413", "415"])}}
 
 
 def _get(summary: str, body_schema: dict[str, Any], error_statuses: list[str]) -> dict[str, Any]:

@@ -1,9 +1,14 @@
 """OpenAI-compatible request bodies, their validation, and the error bodies the server answers with.
 
 Requests are parsed strictly (no "5" -> 5 coercion, no true -> 1): a malformed field is a 400 naming the
-field (`param`), never a 5xx. Fields we do not implement but clients send by default are accepted when
-they are harmless (n=1, zero penalties); anything that would change the output and that we cannot honour
-is rejected instead of silently ignored.
+field (`param`), never a 5xx. No field is silently ignored: one the request models below do not declare is a
+400 naming it (`unsupported_parameter` for the OpenAI fields we do not implement, such as `response_format`,
+`tools` and `tool_choice`; `unknown_parameter` for any other), except `user` and `metadata`, which are accepted
+and ignored as OpenAI itself does. Fields we implement only in part are accepted when harmless (n=1, echo=false).
+
+Penalties and biases (verify/penalties.py, exact under speculation): `presence_penalty`, `frequency_penalty`,
+`logit_bias` (token id strings -> bias in [-100, 100]) as OpenAI; `repetition_penalty`, `min_tokens`, `min_p`,
+`stop_token_ids` as vLLM.
 
 Extensions (as vLLM): `top_k`, `ignore_eos`, `speculative` (false = decode this request without drafts),
 `return_token_ids` (each choice/chunk carries the generated token ids), `return_token_kinds` (each choice/chunk
@@ -61,7 +66,19 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# OpenAI request fields we do not implement (a 400 naming the field, code "unsupported_parameter"), with why
+UNSUPPORTED_FIELDS = {
+    "response_format": "structured output (response_format) is not implemented yet",
+    "tools": "tool calls (tools) are not implemented yet",
+    "tool_choice": "tool calls (tool_choice) are not implemented yet",
+    "parallel_tool_calls": "tool calls (parallel_tool_calls) are not implemented yet",
+    "functions": "function calls (functions, deprecated by OpenAI) are not implemented",
+    "function_call": "function calls (function_call, deprecated by OpenAI) are not implemented",
+}
+IGNORED_FIELDS = ("user", "metadata")  # accepted and ignored, as OpenAI does
 
 
 class StreamOptions(_Strict):
@@ -79,9 +96,15 @@ class _CommonRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
-    presence_penalty: Literal[0, 0.0] = 0
-    frequency_penalty: Literal[0, 0.0] = 0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] = 1.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None
     ignore_eos: bool = False
     speculative: bool = True
     return_token_ids: bool = False
@@ -98,6 +121,15 @@ class _CommonRequest(_Strict):
             raise bad_request(f"a stop string may have at most {limits.max_stop_chars} characters, got {longest}",
                               "stop", "stop_too_long")
         return tuple(stops)
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias's token id strings as ints; a key that is not a token id is a 400 naming logit_bias."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise bad_request(f"logit_bias keys must be token ids (decimal strings), got {key!r}", "logit_bias")
+            pairs.append((int(key), float(bias)))
+        return tuple(pairs)
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -179,12 +211,57 @@ class ChatCompletionRequest(_CommonRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize with a prompt (vLLM's shape): the prompt's token ids."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+    def check_prompt_length(self, limits: RequestLimits) -> None:
+        if len(self.prompt) > limits.max_prompt_chars:
+            raise prompt_too_long(len(self.prompt), limits, "prompt")
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize with messages (vLLM's shape): the chat template's rendering, encoded."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text_content()} for m in self.messages]
+
+    def check_prompt_length(self, limits: RequestLimits) -> None:
+        total = sum(len(message["content"]) for message in self.template_messages())
+        if total > limits.max_prompt_chars:
+            raise prompt_too_long(total, limits, "messages")
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's shape): the text of token ids."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 def prompt_too_long(num_chars: int, limits: RequestLimits, param: str) -> APIError:
     return bad_request(f"the prompt has {num_chars} characters; this server accepts at most {limits.max_prompt_chars} "
                        "(--max-prompt-chars)", param, "prompt_too_long")
 
 
-def parse_request(raw: bytes, model_cls: type[_CommonRequest]) -> _CommonRequest:
+def parse_tokenize_request(raw: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """POST /tokenize's body: a chat request when it carries messages, else a prompt request."""
+    try:
+        carries_messages = isinstance(data := json.loads(raw), dict) and "messages" in data
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        carries_messages = False  # parse_request answers the 400
+    return parse_request(raw, TokenizeChatRequest if carries_messages else TokenizeCompletionRequest)
+
+
+def parse_request(raw: bytes, model_cls: type[BaseModel]) -> Any:
     """Body bytes -> a validated request, or a 400 APIError naming the first offending field."""
     try:
         data = json.loads(raw)
@@ -192,6 +269,7 @@ def parse_request(raw: bytes, model_cls: type[_CommonRequest]) -> _CommonRequest
         raise bad_request(f"malformed JSON body: {error}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    check_fields(data, model_cls)
     try:
         return model_cls.model_validate(data)
     except ValidationError as error:
@@ -199,6 +277,17 @@ def parse_request(raw: bytes, model_cls: type[_CommonRequest]) -> _CommonRequest
         param = _param_path(data, first["loc"], first["type"] == "missing")
         raise bad_request(f"invalid value for {param}: {first['msg']}", param=param,
                           code="missing_required_parameter" if first["type"] == "missing" else "invalid_value") from None
+
+
+def check_fields(data: dict[str, Any], model_cls: type[BaseModel]) -> None:
+    """A 400 naming the first field of the body that the request model does not declare."""
+    for name in data:
+        if name in model_cls.model_fields:
+            continue
+        if name in UNSUPPORTED_FIELDS:
+            raise bad_request(f"{UNSUPPORTED_FIELDS[name]}; remove {name!r} from the request", name,
+                              "unsupported_parameter")
+        raise bad_request(f"Unrecognized request argument supplied: {name}", name, "unknown_parameter")
 
 
 def _param_path(data: Any, loc: tuple, missing: bool) -> str | None:
@@ -214,13 +303,29 @@ def _param_path(data: Any, loc: tuple, missing: bool) -> str | None:
 
 
 def sampling_params(request: _CommonRequest, max_tokens: int, num_logprobs: int | None,
-                    limits: RequestLimits) -> SamplingParams:
+                    limits: RequestLimits, vocab_size: int | None = None) -> SamplingParams:
+    """The request's SamplingParams; vocab_size: token ids in logit_bias / stop_token_ids must be below it."""
     top_k = 0 if request.top_k == -1 else request.top_k
     seed = None if request.seed is None else request.seed % 2**63  # torch seeds are 64-bit
+    logit_bias = request.logit_bias_pairs()
+    stop_token_ids = tuple(request.stop_token_ids or ())
+    if vocab_size is not None:
+        for param, ids in (("logit_bias", [token_id for token_id, _ in logit_bias]), ("stop_token_ids", stop_token_ids)):
+            bad = [token_id for token_id in ids if token_id >= vocab_size]
+            if bad:
+                raise bad_request(f"{param} names token ids out of range [0, {vocab_size}): {bad[:5]}", param)
+    if request.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({request.min_tokens}) must be at most max_tokens ({max_tokens})",
+                          "min_tokens")
     try:
         return SamplingParams(temperature=float(request.temperature), top_k=top_k, top_p=float(request.top_p),
                               seed=seed, max_tokens=max_tokens, stop=request.stop_strings(limits),
-                              ignore_eos=request.ignore_eos, logprobs=num_logprobs)
+                              ignore_eos=request.ignore_eos, logprobs=num_logprobs,
+                              presence_penalty=float(request.presence_penalty),
+                              frequency_penalty=float(request.frequency_penalty),
+                              repetition_penalty=float(request.repetition_penalty), logit_bias=logit_bias,
+                              min_tokens=request.min_tokens, min_p=float(request.min_p),
+                              stop_token_ids=stop_token_ids)
     except ValueError as error:
         raise bad_request(str(error)) from None
 
