@@ -194,7 +194,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     extra = {} if args.max_verify_tokens is None else {"max_verify_tokens": args.max_verify_tokens}
     llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
               kv_cache_dtype=args.kv_cache_dtype, prefix_cache_tokens=args.prefix_cache_tokens,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device, **extra)
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device,
+              draft_policy=args.draft_policy, **extra)
     app = create_app(llm, config)
     announce_kernels(llm.model.device, args.weight_format, linear_bytes=llm.model.linear_bytes())
     print(f"[serving {app.state.server.model_name} on http://{args.host}:{args.port}]", file=sys.stderr)
@@ -239,6 +240,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                              "`ps` does not show)")
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 503")
     parser.add_argument("--max-verify-tokens", type=int, default=None, help="verify-token budget per step (draft policy)")
+    parser.add_argument("--draft-policy", default="adaptive", choices=DRAFT_POLICIES,
+                        help="adaptive: k per request and step from acceptance and measured costs "
+                             "(<= num_speculative_tokens); fixed: num_speculative_tokens, shortened only so that a "
+                             "step verifies at most --max-verify-tokens rows")
     parser.add_argument("--prefix-cache-tokens", type=int, default=8192,
                         help="keys/values of earlier requests' tokens kept for prompts that start with them "
                              "(a shared system turn, the next turn of a chat); 0 = off (default 8192)")

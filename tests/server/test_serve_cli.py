@@ -74,3 +74,27 @@ def test_serve_logs_specdecs_own_lines_at_its_level(monkeypatch, capsys):
     configure_server_logging("warning")
     logging.getLogger("specdec.server.app").info("hidden")
     assert capsys.readouterr().err == ""
+
+
+def test_serve_draft_policy_reaches_the_llm(monkeypatch):
+    """--draft-policy fixed makes every step draft (the soak uses it so that speculation runs under its whole mix);
+    adaptive is the default."""
+    import pytest
+
+    import specdec.llm
+    from specdec.cli import main
+
+    assert build_parser().parse_args(["serve", "m"]).draft_policy == "adaptive"
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(specdec.llm, "LLM", fake_llm)
+    with pytest.raises(Stop):
+        main(["serve", "m", "--draft-policy", "fixed", "--threads", "2"])
+    assert seen["draft_policy"] == "fixed"
