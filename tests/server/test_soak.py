@@ -37,6 +37,7 @@ def test_a_short_soak_loses_nothing_and_frees_every_slot(make_tiny_model, tiny_t
     assert report["slots_free"] and report["end"]["kv_cache_free_slots"] == report["end"]["kv_cache_total_slots"] == 4
     assert report["tok_s"] > 0 and report["per_minute"][0]["completed_generations"] > 0
     assert report["rss_first_minute_median_mb"] > 1 and report["rss_samples"]
+    assert report["speculation"]["drafted_tokens"] > 0  # the tiny server's fixed k drafts at every step
     assert "PASSED" in capsys.readouterr().out
 
 

@@ -3,13 +3,14 @@
     python -m specdec.bench.soak --model gemma-3-270m --minutes 10 --concurrency 16 \\
         [--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'] [--output FILE]
 
-Starts `specdec serve MODEL --threads 2 --max-num-seqs 8` as a subprocess with an API key (or, with --url, drives a
-running server), then C clients send requests back to back until the time is up, each request drawn from MIX:
-streamed and non-streamed chat and text completions (greedy or seeded sampling, some with a stop string), the same
-with `"speculative": false` (the per-request opt-out), clients that leave at a random point (a non-streamed request
-abandoned after a random delay, a stream closed after a random number of chunks), and bad requests (BAD_REQUESTS:
-malformed JSON, missing or wrong fields, a context overflow, a wrong Content-Type, a body over the limit, a missing
-API key, an unknown path, a wrong method). Requests started before the end run to completion.
+Starts `specdec serve MODEL --threads 2 --max-num-seqs 8` as a subprocess with an API key (with a speculative
+config also `--draft-policy fixed`, so that every step drafts), or with --url drives a running server. Then C
+clients send requests back to back until the time is up, each request drawn from MIX: streamed and non-streamed
+chat and text completions (greedy or seeded sampling, some with a stop string), the same with `"speculative":
+false` (the per-request opt-out), clients that leave at a random point (a non-streamed request abandoned after a
+random delay, a stream closed after a random number of chunks), and bad requests (`bad_requests`: malformed JSON,
+missing or wrong fields, a context overflow, a wrong Content-Type, a body over the limit, a missing API key, an
+unknown path, a wrong method). Requests started before the end run to completion.
 
 Every answer is checked against what its kind expects. Outcomes:
   ok         the expected answer: a well-formed completion or stream (ids, objects, one finish_reason, [DONE],
@@ -19,7 +20,7 @@ Every answer is checked against what its kind expects. Outcomes:
   malformed  an answer that breaks the format (bad JSON or SSE, missing fields, counts that disagree)
   lost       no complete answer: a transport error, the client's timeout, a stream that ends without [DONE]
 At the end the server must be idle within 30 s with every KV slot free, /health 200, and (subprocess) no traceback
-in its log. Meanwhile the server's resident memory is sampled (/proc, or /metrics with --url) every --rss-interval
+in its log and a clean stop on SIGTERM. Meanwhile the server's resident memory is sampled (/proc, or /metrics with --url) every --rss-interval
 seconds. The report has the requests by kind and outcome, completion tokens and requests per minute (client side;
 the server's generated tokens per minute too, which include abandoned requests), the median RSS of the first and
 the last minute, and the KV slots at the end. Prints a summary, writes JSON (bench_results/soak-*.json, the server's
@@ -35,6 +36,7 @@ import math
 import os
 import random
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -501,7 +503,7 @@ class Soak:
             "rss_first_minute_median_mb": median(first), "rss_last_minute_median_mb": median(last),
             "rss_change_mb": None if not first or not last else round(median(last) - median(first), 1),
             "rss_samples": [[t, mb] for t, mb in rss],
-            "end": end, "slots_free": slots_free,
+            "end": end, "slots_free": slots_free, "speculation": speculation(end["spec_decode"]),
             "passed": not (counts["failed"] or counts["malformed"] or counts["lost"]) and slots_free
                       and end["health_status"] == 200,
         }
@@ -531,6 +533,13 @@ class Soak:
                          "tok_s": round(tokens / max(hi - lo, 1e-9), 1), "server_tok_s": server_tok_s,
                          "rss_median_mb": median([s["rss_mb"] for s in window if s["rss_mb"] is not None])})
         return rows
+
+
+def speculation(spec: dict) -> dict:
+    """What the engine speculated during the run (its counters since start, from /status)."""
+    return {"verify_steps": spec["verify_steps"], "drafted_tokens": spec["drafted_tokens"],
+            "accepted_tokens": spec["accepted_tokens"], "acceptance_rate": round(spec["acceptance_rate"], 3),
+            "mean_accepted_length": round(spec["mean_accepted_length"], 3)}
 
 
 def median(values: list[float]) -> float | None:
@@ -576,7 +585,10 @@ def format_summary(report: dict) -> str:
               f"{report['rss_last_minute_median_mb']} MB (change {report['rss_change_mb']} MB)",
               f"at the end: {end['kv_cache_free_slots']}/{end['kv_cache_total_slots']} KV slots free, "
               f"{end['num_requests_running']} running, {end['num_requests_waiting']} waiting, "
-              f"/health {end['health_status']}"]
+              f"/health {end['health_status']}",
+              "speculation: {verify_steps} verify steps with drafts, {drafted_tokens} tokens drafted, "
+              "{accepted_tokens} accepted (acceptance {acceptance_rate}, mean accepted length {mean_accepted_length})"
+              .format(**report["speculation"])]
     for problem in report["problem_samples"][:5]:
         lines.append(f"  {problem['outcome']}: {problem['kind']}: {problem['detail']}")
     lines.append("PASSED" if report["passed"] else "FAILED")
@@ -611,8 +623,8 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
     command = [*specdec_command(), "serve", args.model, "--port", str(port), "--threads", str(SERVER_THREADS),
                "--max-num-seqs", str(args.max_num_seqs), "--max-request-bytes", str(args.max_request_bytes)]
     if args.speculative_config:
-        command += ["--speculative-config", args.speculative_config]
-    return command
+        command += ["--speculative-config", args.speculative_config, "--draft-policy", args.draft_policy]
+    return command + shlex.split(args.serve_args)
 
 
 def start_server(args: argparse.Namespace, api_key: str, log_path: Path) -> ServerProcess:
@@ -688,8 +700,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=16, help="clients sending back to back")
     parser.add_argument("--max-tokens", type=int, default=128, help="each request asks for [max/4, max] tokens")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="the server's KV slots (the rest wait)")
+    parser.add_argument("--draft-policy", default="fixed", choices=("fixed", "adaptive"),
+                        help="the server's draft policy when speculating. fixed (default): every step drafts, so the "
+                             "speculative path runs under the whole mix; adaptive: the server's default, which may "
+                             "keep k = 0 throughout at larger batches on a small CPU")
     parser.add_argument("--max-request-bytes", type=int, default=65536,
                         help="the server's body limit (the body_too_large request sends one byte more)")
+    parser.add_argument("--serve-args", default="", help="more options for `specdec serve`, e.g. "
+                        "'--prefix-cache-tokens 0'")
     parser.add_argument("--prompts", default=DEFAULT_PROMPTS, help="Spec-Bench or HumanEval JSONL")
     parser.add_argument("--category", default="all")
     parser.add_argument("--seed", type=int, default=0, help="seeds the clients' choices (the same sequence per run)")
@@ -734,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report.update(cpu=cpu_name(), commit=git_commit(), date=time.strftime("%Y-%m-%d"),
                   speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
+                  draft_policy=args.draft_policy if server and args.speculative_config else None,
                   max_num_seqs=args.max_num_seqs if server else None, server_threads=SERVER_THREADS if server else None,
                   soak_command=" ".join(["python", "-m", "specdec.bench.soak",
                                          *(argv if argv is not None else sys.argv[1:])]))
@@ -743,7 +762,12 @@ def main(argv: list[str] | None = None) -> int:
                             "log_problem_lines": len(problems), "log_problem_samples": problems[:10],
                             "disconnect_lines": len(disconnect_lines(server.log_path))}
         report["passed"] = report["passed"] and not problems and stopped["clean_stop"]
+    if args.speculative_config and not report["speculation"]["drafted_tokens"]:
+        report["warning"] = ("the server never drafted (its draft policy kept k = 0 throughout): the run did not "
+                             "exercise speculation; use --draft-policy fixed")
     print(format_summary(report))
+    if report.get("warning"):
+        print(f"WARNING: {report['warning']}")
     if server:
         print(f"server log: {len(problems)} error lines, {report['server']['disconnect_lines']} lines of clients that "
               f"left; stopped {'cleanly' if stopped['clean_stop'] else 'NOT cleanly'} (exit code "
