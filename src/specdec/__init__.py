@@ -1,10 +1,10 @@
 """specdec: speculative-decoding inference engine on PyTorch.
 
-Public API: `LLM`, `SamplingParams`, `SpeculativeConfig` (imported lazily: importing the package loads nothing heavy).
+Public API: `LLM`, `SamplingParams`, `SpeculativeConfig`, `GuidedDecoding` (imported lazily: importing the package loads nothing heavy).
 """
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "SpeculativeConfig"]
+__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "GuidedDecoding"]
 
 
 def __getattr__(name: str):
@@ -12,7 +12,7 @@ def __getattr__(name: str):
         from specdec.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "SpeculativeConfig"):
+    if name in ("SamplingParams", "SpeculativeConfig", "GuidedDecoding"):
         from specdec import config
 
         return getattr(config, name)

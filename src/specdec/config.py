@@ -48,6 +48,52 @@ def _require_at_least(owner: str, name: str, value: int, minimum: int) -> None:
         raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
 
 
+GUIDED_KINDS = ("json_schema", "json_object", "regex", "lark")
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A constraint on a request's output, enforced by masking the target's logits (verify/grammar.py).
+
+    Exactly one field is set:
+    json_schema: a JSON Schema, as JSON text (a dict is accepted and serialized); the output is JSON matching it.
+    json_object: True: the output is one JSON object (OpenAI's response_format {"type": "json_object"}).
+    regex: the whole output matches this regular expression.
+    lark: a grammar in llguidance's Lark dialect.
+    """
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    lark: str | None = None
+
+    def __post_init__(self) -> None:
+        owner = "GuidedDecoding"
+        if isinstance(self.json_schema, Mapping):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"{owner}.json_object must be a bool, got {type(self.json_object).__name__}")
+        for name in ("json_schema", "regex", "lark"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{owner}.{name} must be a non-empty string, got {value!r}")
+        chosen = [name for name in GUIDED_KINDS if getattr(self, name) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(f"{owner} needs exactly one of {', '.join(GUIDED_KINDS)}, got "
+                             f"{', '.join(chosen) or 'none'}")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{owner}.json_schema is not valid JSON: {error}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"{owner}.json_schema must be a JSON object (a schema), got {type(schema).__name__}")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in GUIDED_KINDS if getattr(self, name) not in (None, False))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request turns target logits into tokens.
@@ -73,6 +119,8 @@ class SamplingParams:
     min_p: after temperature, tokens whose probability is below min_p times the most likely token's are dropped
         (0 = off).
     stop_token_ids: tokens that end the generation like end-of-sequence (kept in the token ids, not in the text).
+    guided: a constraint on the output (JSON schema, JSON object, regex or Lark grammar; GuidedDecoding), None = none.
+        Exact under speculation (verify/grammar.py); constrained requests verify chains, not token trees.
     """
 
     temperature: float = 0.0
@@ -90,9 +138,15 @@ class SamplingParams:
     min_tokens: int = 0
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         owner = "SamplingParams"
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise ValueError(f"{owner}.guided must be a GuidedDecoding or None, got {type(self.guided).__name__}")
+        if self.guided is not None and self.ignore_eos and not self.stop_token_ids:
+            raise ValueError(f"{owner}.guided with ignore_eos needs stop_token_ids: nothing could end the output "
+                             "once the grammar is complete")
         self._validate_penalties(owner)
         _require_number(owner, "temperature", self.temperature)
         if self.temperature < 0:

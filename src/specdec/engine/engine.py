@@ -16,6 +16,9 @@ the tree along the target's argmax or seeded draws, and the accepted path is com
 positions. The draft length k bounds each branch's depth; the tree's node count is capped by the sequence's
 share of max_verify_tokens rows (max_verify_tokens // batch size - 1, at least k). Sequences under rejection
 acceptance verify the first branch as a chain.
+
+A constrained request (SamplingParams.guided) verifies chains: its draft is cut at the first token its grammar
+forbids and every verify row is masked with the grammar state the drafts before it reach (verify/grammar.py).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from specdec.engine.sequence import Sequence, TokenKind, new_sequence
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
 from specdec.verify.exact import verify_exact, verify_exact_tree
+from specdec.verify.grammar import GrammarMatcher, mask_logits
 from specdec.verify.noise import NoiseStream, RequestNoise, random_seed
 from specdec.verify.penalties import chain_paths, process_logits, tree_paths
 from specdec.verify.rejection import RejectionUniforms, VerifyResult, verify_greedy, verify_rejection
@@ -145,6 +149,9 @@ class Engine:
                                                          self.acceptance)
         seq = new_sequence(request_id, prompt_token_ids, params, self.tokenizer, self.max_model_len, noise,
                            speculative=speculative and self.drafter is not None)
+        if params.guided is not None:
+            end_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+            seq.grammar = GrammarMatcher(params.guided, self.tokenizer, self.model.config.vocab_size, end_ids)
         self.waiting.append(seq)
         return seq
 
@@ -236,6 +243,8 @@ class Engine:
     def _sample_one(self, seq: Sequence, logits: torch.Tensor) -> int:
         """logits [1, vocab] -> one token, exactly as plain decoding samples it (with u of the next output index)."""
         logits = _processed_logits(seq, logits, [()])
+        if seq.grammar is not None:
+            logits = mask_logits(logits, seq.grammar.masks_along((), 1))
         if seq.params.greedy:
             return int(greedy_tokens(logits)[0])
         return sample_token(logits, seq.params, seq.noise.target(len(seq.output_token_ids)))
@@ -243,7 +252,7 @@ class Engine:
     def _decode_step(self, seqs: list[Sequence]) -> list[StepOutput]:
         start = time.perf_counter()
         proposal = self._propose(seqs)
-        drafts = proposal.drafts
+        drafts = [_within_grammar(seq, draft) for seq, draft in zip(seqs, proposal.drafts)]
         trees = [_verified_tree(seq, draft) for seq, draft in zip(seqs, drafts)]
         drafted = time.perf_counter()
         batch = ForwardBatch.build(
@@ -334,6 +343,8 @@ class Engine:
         start = len(seq.output_token_ids)
         paths = tree_paths(tree.token_ids, tree.parents) if tree is not None else chain_paths(draft.token_ids)
         target_logits = _processed_logits(seq, target_logits, paths)
+        if seq.grammar is not None:  # row i masked with the state after draft tokens 0 .. i-1
+            target_logits = mask_logits(target_logits, seq.grammar.masks_along(draft.token_ids, len(paths)))
         if tree is not None:
             if seq.params.greedy:
                 return verify_greedy_tree(tree, target_logits)
@@ -409,7 +420,26 @@ class Engine:
 def _verified_tree(seq: Sequence, draft: Draft) -> DraftTree | None:
     """The tree to verify for a sequence: greedy sequences and sampled ones under exact acceptance
     (drafters.base.verifies_trees), else None (the first branch is verified as a chain)."""
+    if seq.grammar is not None:  # constrained requests verify chains
+        return None
     return draft.tree if draft.tree is not None and verifies_trees(seq.params, seq.noise) else None
+
+
+def _within_grammar(seq: Sequence, draft: Draft) -> Draft:
+    """A constrained request's draft as a chain cut at its first token the grammar forbids (verify/grammar.py).
+
+    Under rejection acceptance a draft with sampled draft probabilities keeps that token as its last: the masked
+    target gives it probability 0, so it is rejected and the recovered token is drawn from the residual, as
+    rejection sampling needs for the output to follow the masked target."""
+    if seq.grammar is None or not draft.token_ids:
+        return draft
+    keep = seq.grammar.valid_prefix(draft.token_ids)
+    if keep < len(draft.token_ids) and draft.draft_probs is not None and seq.noise is not None and not seq.noise.exact:
+        keep += 1
+    if keep == len(draft.token_ids) and draft.tree is None:
+        return draft
+    probs = None if draft.draft_probs is None else draft.draft_probs[:keep]
+    return Draft(token_ids=draft.token_ids[:keep], draft_probs=probs)
 
 
 def _processed_logits(seq: Sequence, logits: torch.Tensor, row_paths: list[tuple[int, ...]]) -> torch.Tensor:

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specdec.config import SamplingParams
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.verify.noise import RequestNoise
+
+if TYPE_CHECKING:
+    from specdec.verify.grammar import GrammarMatcher
 
 
 class TokenKind(str, enum.Enum):
@@ -39,6 +43,7 @@ class Sequence:
     stopped_by_string: bool = False
     streamed_chars: int = 0  # characters of `text` already handed out
     metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+    grammar: GrammarMatcher | None = None  # the output's constraint state after the committed tokens (verify/grammar.py)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -70,6 +75,8 @@ class Sequence:
         """Adds one generated token, applies the stop rules and returns the newly streamable text."""
         self.output_token_ids.append(token_id)
         self.token_kinds.append(kind)
+        if self.grammar is not None and not self.grammar.advance(token_id):
+            raise RuntimeError(f"token {token_id} emitted against the request's grammar")
         is_eos = (token_id in self.eos_token_ids and not self.params.ignore_eos) or token_id in self.params.stop_token_ids
         if not is_eos:
             self._add_text(self.detokenizer.push(token_id))
