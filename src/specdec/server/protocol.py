@@ -2,13 +2,18 @@
 
 Requests are parsed strictly (no "5" -> 5 coercion, no true -> 1): a malformed field is a 400 naming the
 field (`param`), never a 5xx. No field is silently ignored: one the request models below do not declare is a
-400 naming it (`unsupported_parameter` for the OpenAI fields we do not implement, such as `response_format`,
-`tools` and `tool_choice`; `unknown_parameter` for any other), except `user` and `metadata`, which are accepted
+400 naming it (`unsupported_parameter` for the OpenAI fields we do not implement, such as `tools` and
+`tool_choice`; `unknown_parameter` for any other), except `user` and `metadata`, which are accepted
 and ignored as OpenAI itself does. Fields we implement only in part are accepted when harmless (n=1, echo=false).
 
 Penalties and biases (verify/penalties.py, exact under speculation): `presence_penalty`, `frequency_penalty`,
 `logit_bias` (token id strings -> bias in [-100, 100]) as OpenAI; `repetition_penalty`, `min_tokens`, `min_p`,
 `stop_token_ids` as vLLM.
+
+Structured output (verify/grammar.py, exact under speculation): `response_format` {"type": "text"} (no
+constraint), {"type": "json_object"} (one JSON object) or {"type": "json_schema", "json_schema": {"name", "schema",
+"description"?, "strict"?}} (JSON matching the schema), as OpenAI; the output is constrained whether or not
+`strict` is set.
 
 Extensions (as vLLM): `top_k`, `ignore_eos`, `speculative` (false = decode this request without drafts),
 `return_token_ids` (each choice/chunk carries the generated token ids), `return_token_kinds` (each choice/chunk
@@ -22,7 +27,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.config import SamplingParams
+from specdec.config import GuidedDecoding, SamplingParams
 
 MAX_LOGPROBS = 20
 
@@ -71,7 +76,6 @@ class _Strict(BaseModel):
 
 # OpenAI request fields we do not implement (a 400 naming the field, code "unsupported_parameter"), with why
 UNSUPPORTED_FIELDS = {
-    "response_format": "structured output (response_format) is not implemented yet",
     "tools": "tool calls (tools) are not implemented yet",
     "tool_choice": "tool calls (tool_choice) are not implemented yet",
     "parallel_tool_calls": "tool calls (parallel_tool_calls) are not implemented yet",
@@ -83,6 +87,31 @@ IGNORED_FIELDS = ("user", "metadata")  # accepted and ignored, as OpenAI does
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")  # OpenAI's `schema`; {} = any JSON
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def guided(self) -> GuidedDecoding | None:
+        """The constraint the format asks for (None for text); a 400 naming the field when it is inconsistent."""
+        if self.type != "json_schema":
+            if self.json_schema is not None:
+                raise bad_request(f"response_format.json_schema is only for type 'json_schema', got type "
+                                  f"{self.type!r}", "response_format.json_schema")
+            return GuidedDecoding(json_object=True) if self.type == "json_object" else None
+        if self.json_schema is None:
+            raise bad_request("response_format of type 'json_schema' needs json_schema: {'name', 'schema'}",
+                              "response_format.json_schema", "missing_required_parameter")
+        return GuidedDecoding(json_schema=self.json_schema.json_schema)
 
 
 class _CommonRequest(_Strict):
@@ -103,6 +132,7 @@ class _CommonRequest(_Strict):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     ignore_eos: bool = False
@@ -325,7 +355,8 @@ def sampling_params(request: _CommonRequest, max_tokens: int, num_logprobs: int 
                               frequency_penalty=float(request.frequency_penalty),
                               repetition_penalty=float(request.repetition_penalty), logit_bias=logit_bias,
                               min_tokens=request.min_tokens, min_p=float(request.min_p),
-                              stop_token_ids=stop_token_ids)
+                              stop_token_ids=stop_token_ids,
+                              guided=request.response_format.guided() if request.response_format else None)
     except ValueError as error:
         raise bad_request(str(error)) from None
 
