@@ -685,9 +685,14 @@ def disconnect_lines(path: Path) -> list[str]:
 
 
 def git_commit() -> str | None:
+    """The checkout's commit, with "+changes" when tracked files differ from it (None outside a git checkout)."""
+    def git(*command: str) -> str:
+        return subprocess.run(["git", *command], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+        commit = git("rev-parse", "--short", "HEAD")
+        return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -729,6 +734,7 @@ def default_output(args: argparse.Namespace) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    commit = git_commit()  # the code the server starts with
     output = Path(args.output) if args.output else default_output(args)
     prompts = load_prompts(args.prompts, None if args.category == "all" else args.category)
     server = None
@@ -750,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         stopped = stop_server(server) if server else None
     from specdec.bench.q4_bench import cpu_name  # imports torch: only once the server has stopped
 
-    report.update(cpu=cpu_name(), commit=git_commit(), date=time.strftime("%Y-%m-%d"),
+    report.update(cpu=cpu_name(), commit=commit, date=time.strftime("%Y-%m-%d"),
                   speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,
                   draft_policy=args.draft_policy if server and args.speculative_config else None,
                   max_num_seqs=args.max_num_seqs if server else None, server_threads=SERVER_THREADS if server else None,
