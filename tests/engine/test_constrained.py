@@ -45,6 +45,8 @@ def test_greedy_speculative_constrained_equals_plain(make_tiny_model, tiny_token
     assert [s.output_token_ids for s in speculative] == [s.output_token_ids for s in plain]
     if method == "draft_model_same" and name == "object":  # the target as its own draft: valid JSON, accepted
         assert engine.metrics.accepted_tokens > 0
+    if method == "draft_model" and name == "schema":  # a random draft's tokens are forbidden; the forced keys are not
+        assert engine.metrics.accepted_tokens > 0
     for seq, text in zip(plain, texts(tiny_tokenizer, plain)):
         if seq.finish_reason == "stop":
             if name == "regex":
@@ -88,9 +90,9 @@ def test_invalid_constraint_refused_at_request(make_tiny_model, tiny_tokenizer):
 
 
 # ---- rejection sampling: chi-square against the masked target ---------------------------------------------------
-# ids 0..7 of the tiny tokenizer are the bytes ! " # $ % & ' (; the grammar alternates ! and one of # %, so the
-# mask at a draft position depends on the draft before it
-CHI_GUIDED = GuidedDecoding(regex=r"(!(#|%))*!?")
+# ids 0..7 of the tiny tokenizer are the bytes ! " # $ % & ' (; the grammar repeats ! then one of # %, then a forced
+# &, so the mask at a draft position depends on the draft before it, and forced tokens fill cut drafts
+CHI_GUIDED = GuidedDecoding(regex=r"(!(#|%)&)*!?")
 CHI_PARAMS = dict(temperature=1.0, max_tokens=4, guided=CHI_GUIDED)
 CHI_SAMPLES = 6000
 
@@ -152,6 +154,19 @@ def test_constrained_sampling_matches_masked_target(constrained_models, tiny_tok
     assert chi_square_p_value(counts, joint) > 1e-3
 
 
+def test_forced_tokens_fill_a_cut_draft(make_tiny_model, tiny_tokenizer):
+    from specdec.drafters.base import Draft
+
+    engine = Engine(make_tiny_model("qwen2"), tiny_tokenizer, max_num_seqs=1, max_model_len=64)
+    seq = engine.add_request([1, 2], SamplingParams(guided=CONSTRAINTS["schema"]))
+    encode = lambda text: tuple(tiny_tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    cut = engine_module._within_grammar(seq, Draft(encode("{x   ")))
+    assert cut.token_ids == encode('{"a":')  # the valid "{", then the key the schema forces
+    probs = torch.full((5, 300), 1 / 300)
+    sampled = engine_module._within_grammar(seq, Draft(encode("{x   "), probs))
+    assert sampled.token_ids == encode('{"a":') and sampled.draft_probs[1:].max(dim=1).values.eq(1).all()
+
+
 def test_sampled_draft_keeps_its_forbidden_token_under_rejection(make_tiny_model, tiny_tokenizer):
     """A sampled draft cut at a forbidden token would bias rejection sampling; it keeps the token (rejected for
     sure), while point-mass drafts and exact acceptance cut before it."""
@@ -160,8 +175,9 @@ def test_sampled_draft_keeps_its_forbidden_token_under_rejection(make_tiny_model
     engine = Engine(make_tiny_model("qwen2", seed=3, vocab_size=SMALL_VOCAB), tiny_tokenizer, max_num_seqs=2,
                     max_model_len=64, acceptance="rejection")
     seq = engine.add_request(CHI_PROMPT, SamplingParams(seed=0, **CHI_PARAMS))
-    forbidden_second = (0, 0, 2)  # ! then ! again: the second is forbidden
+    forbidden_second = (0, 0, 2)  # ! then ! again: the second is forbidden (after "!" comes "#" or "%")
     probs = torch.full((3, SMALL_VOCAB), 1 / SMALL_VOCAB)
     assert engine_module._within_grammar(seq, Draft(forbidden_second, probs)).token_ids == (0, 0)
     assert engine_module._within_grammar(seq, Draft(forbidden_second)).token_ids == (0,)
-    assert engine_module._within_grammar(seq, Draft((0, 2, 0), probs)).token_ids == (0, 2, 0)
+    assert engine_module._within_grammar(seq, Draft((0, 2, 5), probs)).token_ids == (0, 2, 5)
+    assert engine_module._within_grammar(seq, Draft((0, 2, 0))).token_ids == (0, 2, 5)  # "&" forced after "!#"

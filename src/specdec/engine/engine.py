@@ -18,7 +18,7 @@ share of max_verify_tokens rows (max_verify_tokens // batch size - 1, at least k
 acceptance verify the first branch as a chain.
 
 A constrained request (SamplingParams.guided) verifies chains: its draft is cut at the first token its grammar
-forbids and every verify row is masked with the grammar state the drafts before it reach (verify/grammar.py).
+forbids (the tokens the grammar forces next fill the rest) and every verify row is masked with the grammar state the drafts before it reach (verify/grammar.py).
 """
 from __future__ import annotations
 
@@ -426,20 +426,29 @@ def _verified_tree(seq: Sequence, draft: Draft) -> DraftTree | None:
 
 
 def _within_grammar(seq: Sequence, draft: Draft) -> Draft:
-    """A constrained request's draft as a chain cut at its first token the grammar forbids (verify/grammar.py).
+    """A constrained request's draft as a chain cut at its first token the grammar forbids (verify/grammar.py),
+    the cut part filled with the tokens the grammar forces after the valid prefix (point-mass drafts, free to draft
+    and accepted whenever the target's tokenization agrees).
 
-    Under rejection acceptance a draft with sampled draft probabilities keeps that token as its last: the masked
-    target gives it probability 0, so it is rejected and the recovered token is drawn from the residual, as
-    rejection sampling needs for the output to follow the masked target."""
+    Under rejection acceptance a draft with sampled draft probabilities keeps the forbidden token as its last instead:
+    the masked target gives it probability 0, so it is rejected and the recovered token is drawn from the residual,
+    as rejection sampling needs for the output to follow the masked target."""
     if seq.grammar is None or not draft.token_ids:
         return draft
+    proposed = len(draft.token_ids)
     keep = seq.grammar.valid_prefix(draft.token_ids)
-    if keep < len(draft.token_ids) and draft.draft_probs is not None and seq.noise is not None and not seq.noise.exact:
-        keep += 1
-    if keep == len(draft.token_ids) and draft.tree is None:
+    if keep < proposed and draft.draft_probs is not None and seq.noise is not None and not seq.noise.exact:
+        return Draft(token_ids=draft.token_ids[: keep + 1], draft_probs=draft.draft_probs[: keep + 1])
+    if keep == proposed and draft.tree is None:
         return draft
-    probs = None if draft.draft_probs is None else draft.draft_probs[:keep]
-    return Draft(token_ids=draft.token_ids[:keep], draft_probs=probs)
+    valid = draft.token_ids[:keep]
+    ends = any(token_id in seq.grammar.end_token_ids for token_id in valid)
+    forced = () if ends else tuple(seq.grammar.forced_after(valid, proposed - keep))
+    probs = draft.draft_probs
+    if probs is not None:  # the forced tokens' rows: point masses
+        probs = torch.cat([probs[:keep], torch.nn.functional.one_hot(
+            torch.tensor(forced, dtype=torch.long, device=probs.device), probs.shape[1]).to(probs.dtype)])
+    return Draft(token_ids=valid + forced, draft_probs=probs)
 
 
 def _processed_logits(seq: Sequence, logits: torch.Tensor, row_paths: list[tuple[int, ...]]) -> torch.Tensor:

@@ -9,7 +9,8 @@ transformers, triton and apache-tvm-ffi (pip would pull a CUDA triton and transf
 also rolls tokens back natively and validates a draft prefix in one call (`validate_tokens`).
 
 Under speculation (engine/engine.py):
-  - a draft is cut at its first token the grammar forbids (`GrammarMatcher.valid_prefix`); a draft with sampled
+  - a draft is cut at its first token the grammar forbids, and the tokens the grammar forces after its valid prefix
+    (`forced_after`, e.g. the keys of a JSON schema) fill the cut part as free point-mass drafts (`GrammarMatcher.valid_prefix`); a draft with sampled
     draft probabilities under rejection acceptance keeps that token as its last: the target, masked, gives it
     probability 0, so rejection sampling rejects it and draws from the residual max(0, q - p), which keeps the
     output's distribution the masked target's (cutting it instead would not);
@@ -119,10 +120,24 @@ class GrammarMatcher:
             return valid
         return end_at + 1 if self._ends_after(token_ids[:end_at]) else end_at
 
+    def forced_after(self, token_ids: Sequence[int], limit: int) -> list[int]:
+        """Up to limit tokens the grammar forces after a valid draft prefix (no end token in it): free drafts.
+
+        They are the canonical tokenization of the bytes the grammar forces; the mask may still allow another
+        tokenization, so they are drafts like any other (point masses), not emitted tokens."""
+        if limit <= 0:
+            return []
+        consumed = self._consume(token_ids)
+        forced = list(self._matcher.compute_ff_tokens())[:limit]
+        if consumed:
+            self._matcher.rollback(consumed)
+        return [token_id for token_id in forced if token_id < self.vocab_size]
+
     def _ends_after(self, token_ids: Sequence[int]) -> bool:
         consumed = self._consume(token_ids)
         mask = self.allowed()
-        self._matcher.rollback(consumed)
+        if consumed:
+            self._matcher.rollback(consumed)
         return bool(mask[self._end_ids].any()) if len(self._end_ids) else False
 
     def masks_along(self, token_ids: Sequence[int], rows: int) -> torch.Tensor:
