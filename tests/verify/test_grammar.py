@@ -34,6 +34,7 @@ def test_mask_follows_the_state_and_ends_with_eos(tiny_tokenizer):
     (eos,) = tiny_tokenizer.eos_token_ids
     assert torch.nonzero(m.allowed()).flatten().tolist() == [eos]
     assert m.allowed().shape == (VOCAB,)
+    assert m.masks_computed >= 3 and m.mask_time_s > 0
 
 
 def test_advance_refuses_a_forbidden_token_and_keeps_the_state(tiny_tokenizer):

@@ -26,6 +26,7 @@ never consumed by the matcher (the sequence ends on them).
 from __future__ import annotations
 
 import json
+import time
 import weakref
 from collections.abc import Collection, Sequence
 
@@ -66,6 +67,7 @@ class GrammarMatcher:
 
     end_token_ids: the tokens that end the sequence (end-of-sequence and stop_token_ids): allowed exactly where the
     grammar may end, never consumed.
+    mask_time_s / masks_computed: time spent computing masks and how many (for benchmarks: mask time per token).
     """
 
     def __init__(self, guided: GuidedDecoding, tokenizer: Tokenizer, vocab_size: int,
@@ -82,16 +84,21 @@ class GrammarMatcher:
         self._ll_eos = lltok.eos_token
         self.end_token_ids = frozenset(end_token_ids)
         self._end_ids = torch.tensor(sorted(t for t in self.end_token_ids if t < vocab_size), dtype=torch.long)
+        self.mask_time_s = 0.0
+        self.masks_computed = 0
 
     # ---- the committed state -------------------------------------------------------------------------
     def allowed(self) -> torch.Tensor:
         """[vocab] bool: the tokens the grammar allows next (the end tokens when it may end)."""
+        start = time.perf_counter()
         packed = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
         bits = np.unpackbits(packed, bitorder="little")
         mask = torch.from_numpy(bits[: self.vocab_size].astype(bool))
         # the grammar may end here, or it errored (nothing allowed): ending is left
         if bits[self._ll_eos] or not packed.any():
             mask[self._end_ids] = True
+        self.mask_time_s += time.perf_counter() - start
+        self.masks_computed += 1
         return mask
 
     def advance(self, token_id: int) -> bool:
