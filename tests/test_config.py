@@ -102,7 +102,12 @@ def test_tree_width_defaults_per_method():
     """Weighed dynamic trees by default for draft_model and eagle (the adaptive policy cuts them to what pays),
     chains for the lookups; an explicit value wins, and medusa's chains-only default passes validation."""
     width = lambda method, **extra: SpeculativeConfig.from_dict(  # noqa: E731
-        {"method": method, "num_speculative_tokens": 4, **({"model": "m"} if method in ("draft_model", "eagle", "medusa") else {}),
-         **extra}).num_draft_branches
+        {
+            "method": method,
+            "num_speculative_tokens": 4,
+            **({"model": "m"} if method in ("draft_model", "eagle", "medusa") else {}),
+            **extra,
+        }
+    ).num_draft_branches
     assert [width(m) for m in ("ngram", "suffix", "draft_model", "eagle", "medusa")] == [1, 1, 4, 4, 1]
     assert width("draft_model", num_draft_branches=1) == 1 and width("ngram", num_draft_branches=3) == 3

@@ -49,7 +49,9 @@ def test_analyse_flat_and_compute_bound():
     flat = plan.analyse(config, lambda tokens: 1.0, ridge=300, dtype="int8", kv_bytes=2, batch=1, alpha=0.8, max_k=8)
     assert flat.rows[4].tokens_per_step == pytest.approx(3.3616) and flat.rows[4].speedup == pytest.approx(3.3616)
     assert flat.recommended_k > 4
-    bound = plan.analyse(config, lambda tokens: float(tokens), ridge=300, dtype="int8", kv_bytes=2, batch=1, alpha=0.8, max_k=8)
+    bound = plan.analyse(
+        config, lambda tokens: float(tokens), ridge=300, dtype="int8", kv_bytes=2, batch=1, alpha=0.8, max_k=8
+    )
     assert bound.recommended_k == 0
     assert any("dense model" in reason for reason in bound.reasons)
 

@@ -19,30 +19,51 @@ def tiny_config(architecture: str, **overrides) -> ModelConfig:
     per_arch = {
         "llama": dict(rope_theta=10000.0, tie_word_embeddings=True),
         "qwen2": dict(rope_theta=1e6, qkv_bias=True),
-        "gemma3": dict(rope_theta=1e6, rope_local_theta=1e4, layer_types=("sliding", "sliding", "full"), sliding_window=8,
-                       qk_norm=True, post_norms=True, embedding_scale=0.3, activation="gelu_tanh",
-                       tie_word_embeddings=True, attention_scale=16**-0.5),
+        "gemma3": dict(
+            rope_theta=1e6,
+            rope_local_theta=1e4,
+            layer_types=("sliding", "sliding", "full"),
+            sliding_window=8,
+            qk_norm=True,
+            post_norms=True,
+            embedding_scale=0.3,
+            activation="gelu_tanh",
+            tie_word_embeddings=True,
+            attention_scale=16**-0.5,
+        ),
     }
-    return ModelConfig(architecture=architecture, name=f"tiny-{architecture}", **{**common, **per_arch[architecture], **overrides})
+    return ModelConfig(
+        architecture=architecture, name=f"tiny-{architecture}", **{**common, **per_arch[architecture], **overrides}
+    )
 
 
 def tiny_tensors(config: ModelConfig, seed: int = 0, scale: float = 0.5) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=generator) * scale / shape[-1] ** 0.5  # noqa: E731
     norm = lambda dim: 1.0 + 0.1 * torch.randn(dim, generator=generator)  # noqa: E731
-    hidden, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, q_dim, kv_dim = (
+        config.hidden_size,
+        config.num_heads * config.head_dim,
+        config.num_kv_heads * config.head_dim,
+    )
     tensors = {"embed_tokens": torch.randn(config.vocab_size, hidden, generator=generator), "norm": norm(hidden)}
     if not config.tie_word_embeddings:
         tensors["lm_head"] = randn(config.vocab_size, hidden) * 8
     for i in range(config.num_layers):
         prefix = f"layers.{i}."
-        tensors.update({
-            prefix + "attn_norm": norm(hidden), prefix + "ffn_norm": norm(hidden),
-            prefix + "q_proj": randn(q_dim, hidden) * 4, prefix + "k_proj": randn(kv_dim, hidden) * 4,
-            prefix + "v_proj": randn(kv_dim, hidden) * 4, prefix + "o_proj": randn(hidden, q_dim) * 4,
-            prefix + "gate_proj": randn(config.intermediate_size, hidden), prefix + "up_proj": randn(config.intermediate_size, hidden),
-            prefix + "down_proj": randn(hidden, config.intermediate_size) * 8,
-        })
+        tensors.update(
+            {
+                prefix + "attn_norm": norm(hidden),
+                prefix + "ffn_norm": norm(hidden),
+                prefix + "q_proj": randn(q_dim, hidden) * 4,
+                prefix + "k_proj": randn(kv_dim, hidden) * 4,
+                prefix + "v_proj": randn(kv_dim, hidden) * 4,
+                prefix + "o_proj": randn(hidden, q_dim) * 4,
+                prefix + "gate_proj": randn(config.intermediate_size, hidden),
+                prefix + "up_proj": randn(config.intermediate_size, hidden),
+                prefix + "down_proj": randn(hidden, config.intermediate_size) * 8,
+            }
+        )
         if config.qkv_bias:
             tensors.update({prefix + "q_proj.bias": 0.1 * torch.randn(q_dim, generator=generator),
                             prefix + "k_proj.bias": 0.1 * torch.randn(kv_dim, generator=generator),
@@ -64,10 +85,17 @@ def write_tiny_tokenizer(directory: Path) -> Path:
     tokenizer.add_special_tokens(["<bos>", "<eos>"])
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True,
-        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
-    }))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "add_bos_token": True,
+                "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}",
+            }
+        )
+    )
     return directory
 
 

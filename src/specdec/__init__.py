@@ -1,6 +1,7 @@
 """specdec: speculative-decoding inference engine on PyTorch.
 
-Public API: `LLM`, `SamplingParams`, `SpeculativeConfig`, `GuidedDecoding` (imported lazily: importing the package loads nothing heavy).
+Public API: `LLM`, `SamplingParams`, `SpeculativeConfig`, `GuidedDecoding` (imported lazily: importing the package loads
+nothing heavy).
 """
 from __future__ import annotations
 

@@ -39,7 +39,9 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     from specdec.models.catalog import DEFAULT_MODEL
 
     parser.add_argument("prompt", help="prompt text (use --chat to wrap it in the model's chat template)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"catalogue name, .gguf path or HF directory (default {DEFAULT_MODEL})")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"catalogue name, .gguf path or HF directory (default {DEFAULT_MODEL})"
+    )
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -48,11 +50,21 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
-    parser.add_argument("--show-drafts", action="store_true", help="colour accepted (green), recovered (yellow) and bonus (cyan) tokens")
-    parser.add_argument("--compare-plain", action="store_true", help="also decode without speculation and print the speed-up")
-    parser.add_argument("--draft-policy", default="adaptive", choices=DRAFT_POLICIES,
-                        help="adaptive: k per step from acceptance and measured costs (<= num_speculative_tokens); fixed: always k")
+    parser.add_argument(
+        "--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\''
+    )
+    parser.add_argument(
+        "--show-drafts", action="store_true", help="colour accepted (green), recovered (yellow) and bonus (cyan) tokens"
+    )
+    parser.add_argument(
+        "--compare-plain", action="store_true", help="also decode without speculation and print the speed-up"
+    )
+    parser.add_argument(
+        "--draft-policy",
+        default="adaptive",
+        choices=DRAFT_POLICIES,
+        help="adaptive: k per step from acceptance and measured costs (<= num_speculative_tokens); fixed: always k",
+    )
     _add_format_args(parser)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=None)
@@ -91,7 +103,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.compare_plain and llm.spec_config is not None:
         llm.generate(args.prompt, SamplingParams(max_tokens=4), chat=args.chat, speculative=False)  # warm-up
         print("--- plain decoding ---", file=sys.stderr)
-        plain = llm.generate(args.prompt, params, chat=args.chat, speculative=False, on_output=_stream_printer(llm, False))[0]
+        plain = llm.generate(
+            args.prompt, params, chat=args.chat, speculative=False, on_output=_stream_printer(llm, False)
+        )[0]
         print(f"\n[plain: {len(plain.token_ids)} tokens, {plain.tokens_per_s:.1f} tok/s]", file=sys.stderr)
         print(f"--- speculative decoding ({llm.spec_config.method}) ---", file=sys.stderr)
     result = llm.generate(args.prompt, params, chat=args.chat, on_output=_stream_printer(llm, args.show_drafts))[0]
@@ -109,13 +123,19 @@ def _print_summary(result, plain, speculative: bool) -> None:
         print(f"[speculation: {m.verify_steps} verify steps, {m.drafted_tokens} drafted, {m.accepted_tokens} accepted, "
               f"acceptance rate {m.acceptance_rate:.2f}, mean accepted length {m.mean_accepted_length:.2f}, "
               f"per position: {positions}]", file=sys.stderr)
-        print(f"[time: drafter {m.draft_time_s:.2f} s, target {m.target_time_s:.2f} s, verifier {m.verify_time_s:.2f} s]",
-              file=sys.stderr)
+        print(
+            f"[time: drafter {m.draft_time_s:.2f} s, target {m.target_time_s:.2f} s, verifier {m.verify_time_s:.2f} s]",
+            file=sys.stderr,
+        )
     if plain is not None:
         identical = plain.token_ids == result.token_ids
         speedup = result.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else float("nan")
-        print(f"[speed-up over plain decoding: {speedup:.2f}x ({plain.tokens_per_s:.1f} -> {result.tokens_per_s:.1f} tok/s); "
-              f"output identical to plain: {'yes' if identical else 'NO'}]", file=sys.stderr)
+        print(
+            f"[speed-up over plain decoding: {speedup:.2f}x "
+            f"({plain.tokens_per_s:.1f} -> {result.tokens_per_s:.1f} tok/s); "
+            f"output identical to plain: {'yes' if identical else 'NO'}]",
+            file=sys.stderr,
+        )
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -230,7 +250,9 @@ def configure_server_logging(level: str) -> None:
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="catalogue name, .gguf path or HF directory")
-    parser.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    parser.add_argument(
+        "--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\''
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-num-seqs", type=int, default=8, help="KV-cache slots = requests decoded together")
@@ -239,7 +261,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_VARIABLE}, which "
                              "`ps` does not show)")
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before new ones get 503")
-    parser.add_argument("--max-verify-tokens", type=int, default=None, help="verify-token budget per step (draft policy)")
+    parser.add_argument(
+        "--max-verify-tokens", type=int, default=None, help="verify-token budget per step (draft policy)"
+    )
     parser.add_argument("--draft-policy", default="adaptive", choices=DRAFT_POLICIES,
                         help="adaptive: k per request and step from acceptance and measured costs "
                              "(<= num_speculative_tokens); fixed: num_speculative_tokens, shortened only so that a "
@@ -330,7 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(handler=cmd_plan)
     from specdec.train.cli import add_train_draft_arguments, cmd_train_draft
 
-    train_draft = commands.add_parser("train-draft", help="train an EAGLE head or Medusa heads for a target (self-distillation)")
+    train_draft = commands.add_parser(
+        "train-draft", help="train an EAGLE head or Medusa heads for a target (self-distillation)"
+    )
     add_train_draft_arguments(train_draft)
     train_draft.set_defaults(handler=cmd_train_draft)
     commands.add_parser("build-kernels", help="check that the CPU kernels pip installed match their sources; else "

@@ -18,7 +18,8 @@ MODEL_MEANING = {
 METHODS_WITHOUT_DRAFT_MODEL = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 MAX_DRAFT_BRANCHES = 8
-# num_draft_branches when the config leaves it out: the drafters that grow dynamic trees with acceptance probabilities, cut by the cost
+# num_draft_branches when the config leaves it out: the drafters that grow dynamic trees with acceptance probabilities,
+# cut by the cost
 # model, draft trees (measured: docs/methods.md, token trees); lookups draft chains.
 DEFAULT_DRAFT_BRANCHES = {"draft_model": 4, "eagle": 4}
 DRAFT_WEIGHT_FORMATS = ("auto", "q4", "q8", "fp32")  # models/layers.py: WEIGHT_FORMATS
@@ -309,7 +310,9 @@ class SpeculativeConfig:
         _require_at_least(owner, "suffix_cache_requests", self.suffix_cache_requests, 0)
         _require_at_least(owner, "num_draft_branches", self.num_draft_branches, 1)
         if self.num_draft_branches > MAX_DRAFT_BRANCHES:
-            raise ValueError(f"{owner}.num_draft_branches must be <= {MAX_DRAFT_BRANCHES}, got {self.num_draft_branches}")
+            raise ValueError(
+                f"{owner}.num_draft_branches must be <= {MAX_DRAFT_BRANCHES}, got {self.num_draft_branches}"
+            )
         if self.num_draft_branches > 1 and self.method == "medusa":
             raise ValueError(f"{owner}.num_draft_branches > 1 (token trees) is not available for method 'medusa'; "
                              "use 1, or method 'eagle'")

@@ -52,12 +52,24 @@ class Hardware:
 
 
 HARDWARE = {
-    "h100": Hardware("H100 SXM", 989e12, 3.35e12,
-                     "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity (989 dense), 3.35 TB/s HBM3"),
-    "h200": Hardware("H200 SXM", 989e12, 4.8e12,
-                     "NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity (989 dense), 4.8 TB/s HBM3e"),
-    "a100": Hardware("A100 SXM", 312e12, 2.0e12,
-                     "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense (624 sparse), 2,039 GB/s HBM2e (80 GB SXM)"),
+    "h100": Hardware(
+        "H100 SXM",
+        989e12,
+        3.35e12,
+        "NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity (989 dense), 3.35 TB/s HBM3",
+    ),
+    "h200": Hardware(
+        "H200 SXM",
+        989e12,
+        4.8e12,
+        "NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity (989 dense), 4.8 TB/s HBM3e",
+    ),
+    "a100": Hardware(
+        "A100 SXM",
+        312e12,
+        2.0e12,
+        "NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOPS dense (624 sparse), 2,039 GB/s HBM2e (80 GB SXM)",
+    ),
 }
 DTYPE_BYTES = {"int4": 0.5, "int8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 # our weight formats: q8 stores int8 weights (+ row scales), q4 4-bit (+ block scales); auto is mostly q4 on
@@ -77,10 +89,14 @@ def parse_hardware(text: str) -> Hardware | None:
         return HARDWARE[name]
     try:
         fields = dict(part.split("=", 1) for part in text.split(","))
-        return Hardware("custom", _si_number(fields.pop("flops")), _si_number(fields.pop("bw")), "given on the command line")
+        return Hardware(
+            "custom", _si_number(fields.pop("flops")), _si_number(fields.pop("bw")), "given on the command line"
+        )
     except (KeyError, ValueError) as error:
-        raise ValueError(f"--hardware must be one of {', '.join(HARDWARE)}, this-machine or bw=<bytes/s>,flops=<FLOP/s> "
-                         f"(e.g. bw=3.35T,flops=989T), got {text!r}") from error
+        raise ValueError(
+            f"--hardware must be one of {', '.join(HARDWARE)}, this-machine or bw=<bytes/s>,flops=<FLOP/s> "
+            f"(e.g. bw=3.35T,flops=989T), got {text!r}"
+        ) from error
 
 
 def _si_number(text: str) -> float:
@@ -175,7 +191,9 @@ class Plan:
                  "---|------------------|----------------|------------------"]
         for row in self.rows:
             mark = "  <- recommended" if row.k == self.recommended_k else ""
-            lines.append(f"{row.k:2d} | {row.tokens_per_step:16.3f} | {row.cost_ratio:14.3f} | {row.speedup:16.2f}x{mark}")
+            lines.append(
+                f"{row.k:2d} | {row.tokens_per_step:16.3f} | {row.cost_ratio:14.3f} | {row.speedup:16.2f}x{mark}"
+            )
         return "\n".join(lines)
 
 
@@ -218,8 +236,10 @@ def _reasons(config: ModelConfig, ridge: float, dtype: str, kv_bytes: float, bat
     ]
     if num_experts:
         loaded = expected_experts(n, top_r, num_experts)
-        reasons.append(f"MoE: {n} tokens, top-{top_r} of {num_experts} experts load E·(1-(1-r/E)^n) = {loaded:.1f} experts "
-                       f"vs {expected_experts(batch, top_r, num_experts):.1f} without drafts")
+        reasons.append(
+            f"MoE: {n} tokens, top-{top_r} of {num_experts} experts load E·(1-(1-r/E)^n) = {loaded:.1f} experts "
+            f"vs {expected_experts(batch, top_r, num_experts):.1f} without drafts"
+        )
     else:
         reasons.append("MoE: dense model, no experts to load (for E experts and top-r routing, n tokens would load "
                        "E·(1-(1-r/E)^n) distinct experts)")
@@ -267,7 +287,9 @@ def measured_ridge() -> tuple[float, str]:
     return flops / bandwidth, f"measured: {flops / 1e9:.0f} GFLOP/s fp32 matmul, {bandwidth / 1e9:.1f} GB/s read"
 
 
-def measure_alpha(model, tokenizer, data_dir: Path, num_prompts: int = 4, max_tokens: int = 32) -> tuple[float, list[float]]:
+def measure_alpha(
+    model, tokenizer, data_dir: Path, num_prompts: int = 4, max_tokens: int = 32
+) -> tuple[float, list[float]]:
     """α from a short ngram run (k = 4, fixed) on a few prompts: pooled conditional acceptance, and per position."""
     from specdec.config import SamplingParams
     from specdec.engine.metrics import SpecDecodeMetrics
@@ -286,7 +308,10 @@ def measure_alpha(model, tokenizer, data_dir: Path, num_prompts: int = 4, max_to
 
 def conditional_acceptance(metrics) -> tuple[float, list[float]]:
     """(pooled α, α_i per position): at position i, hits / steps that reached it with tokens 0..i-1 accepted."""
-    reached = [d if i == 0 else min(d, metrics.accepted_per_position[i - 1]) for i, d in enumerate(metrics.drafted_per_position)]
+    reached = [
+        d if i == 0 else min(d, metrics.accepted_per_position[i - 1])
+        for i, d in enumerate(metrics.drafted_per_position)
+    ]
     per_position = [a / r if r else 0.0 for a, r in zip(metrics.accepted_per_position, reached)]
     total = sum(reached)
     return (sum(metrics.accepted_per_position) / total if total else 0.0), per_position
@@ -311,17 +336,31 @@ def sample_prompts(data_dir: Path, count: int) -> list[str]:
 # ---- command ------------------------------------------------------------------------------------------------
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="catalogue name, .gguf path or HF directory")
-    parser.add_argument("--hardware", default="this-machine", help="h100 | h200 | a100 | this-machine | bw=3.35T,flops=989T")
+    parser.add_argument(
+        "--hardware", default="this-machine", help="h100 | h200 | a100 | this-machine | bw=3.35T,flops=989T"
+    )
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (B)")
     parser.add_argument("--alpha", type=float, default=None, help="acceptance rate α per draft token (default 0.7)")
     parser.add_argument("--measure", action="store_true", help="profile T(n) here and measure α with a short ngram run")
-    parser.add_argument("--draft-cost", type=float, default=0.0, help="drafter cost per proposed token as a fraction of T(B)")
+    parser.add_argument(
+        "--draft-cost", type=float, default=0.0, help="drafter cost per proposed token as a fraction of T(B)"
+    )
     parser.add_argument("--weight-format", default="auto", choices=list(WEIGHT_FORMAT_DTYPE))
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPE_BYTES), help="weight dtype (default: from --weight-format)")
-    parser.add_argument("--kv-bytes", type=float, default=None, help="bytes per KV-cache element (default 2 on GPUs; here the model's cache: 2 beside q4/q8 weights, 4 beside fp32)")
+    parser.add_argument(
+        "--dtype", default=None, choices=sorted(DTYPE_BYTES), help="weight dtype (default: from --weight-format)"
+    )
+    parser.add_argument(
+        "--kv-bytes",
+        type=float,
+        default=None,
+        help="bytes per KV-cache element (default 2 on GPUs; here the model's cache: 2 beside q4/q8 weights, "
+        "4 beside fp32)",
+    )
     parser.add_argument("--context", type=int, default=1024, help="cached tokens per sequence (roofline)")
     parser.add_argument("--max-k", type=int, default=16)
-    parser.add_argument("--data", default=os.environ.get("SPECDEC_DATA", "/work/shared/data"), help="prompts for --measure")
+    parser.add_argument(
+        "--data", default=os.environ.get("SPECDEC_DATA", "/work/shared/data"), help="prompts for --measure"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="write the plot (PNG) here")
 
@@ -363,7 +402,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ridge, kv_bytes = hardware.ridge_point(dtype), args.kv_bytes or 2.0
         stats = ModelStats.of(config)
         step_cost = lambda tokens: roofline_seconds(stats, hardware, dtype, args.batch, tokens, args.context, kv_bytes)  # noqa: E731
-        where = f"{hardware.name} ({hardware.peak_flops(dtype) / 1e12:.0f} TFLOP/s {dtype}, {hardware.bandwidth / 1e12:.2f} TB/s; {hardware.source})"
+        where = (f"{hardware.name} ({hardware.peak_flops(dtype) / 1e12:.0f} TFLOP/s {dtype}, "
+                 f"{hardware.bandwidth / 1e12:.2f} TB/s; {hardware.source})")
     plan = analyse(config, step_cost, ridge, dtype, kv_bytes, args.batch, alpha, args.draft_cost, args.max_k)
     _print_plan(args, plan, where, per_position, forward, None if profile is None else profile.samples)
     if args.out:

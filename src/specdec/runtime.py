@@ -23,7 +23,9 @@ def configure_threads(num_threads: int | None = None) -> int:
     return threads
 
 
-def load_model(name_or_path: str, weight_format: str = "auto", device: torch.device | str = "cpu") -> tuple[Transformer, Tokenizer]:
+def load_model(
+    name_or_path: str, weight_format: str = "auto", device: torch.device | str = "cpu"
+) -> tuple[Transformer, Tokenizer]:
     """weight_format: auto (q4 where the file stores Q4_K, q8 elsewhere), q4, q8 or fp32 (models/layers.py)."""
     check_weight_format(weight_format)
     checkpoint = load_checkpoint(resolve_model(name_or_path), keep_q4k_bytes=weight_format in ("auto", "q4"))

@@ -10,10 +10,33 @@ from specdec.kernels import ops
 SUMMARY_KEYS = {"tokens_per_s": float, "speedup": (float, type(None)), "mean_accepted_length": (float, type(None)),
                 "acceptance_rate": (float, type(None)), "identical_rate": (float, type(None)), "n_prompts": int,
                 "ttft_s": float, "decode_tokens_per_s": float, "decode_speedup": float}
-RECORD_KEYS = {"round", "method", "family", "reference", "strict", "dataset", "question_id", "category", "turn", "prompt_tokens",
-               "new_tokens", "wall_s", "first_token_s", "tokens_per_s", "verify_steps", "drafted_tokens", "accepted_tokens",
-               "acceptance_rate", "mean_accepted_length", "position_acceptance_rates", "peak_rss_mib", "identical",
-               "first_mismatch", "token_ids", "text"}
+RECORD_KEYS = {
+    "round",
+    "method",
+    "family",
+    "reference",
+    "strict",
+    "dataset",
+    "question_id",
+    "category",
+    "turn",
+    "prompt_tokens",
+    "new_tokens",
+    "wall_s",
+    "first_token_s",
+    "tokens_per_s",
+    "verify_steps",
+    "drafted_tokens",
+    "accepted_tokens",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "position_acceptance_rates",
+    "peak_rss_mib",
+    "identical",
+    "first_mismatch",
+    "token_ids",
+    "text",
+}
 pytestmark = pytest.mark.filterwarnings("ignore:draft model .* is not smaller than the target")
 PLOTS = ("speedup.png", "acceptance_by_position.png", "tokens_per_s.png")
 

@@ -17,7 +17,9 @@ def test_split_methods_keeps_json_commas():
 
 
 def test_parse_methods_defaults_and_overrides():
-    specs = parse_methods(['ngram,ngram:{"num_speculative_tokens":7},suffix,draft_model'], "qwen2.5-coder-1.5b-instruct")
+    specs = parse_methods(
+        ['ngram,ngram:{"num_speculative_tokens":7},suffix,draft_model'], "qwen2.5-coder-1.5b-instruct"
+    )
     assert [spec.label for spec in specs] == ["none", "ngram", "ngram-2", "suffix", "draft_model"]
     assert specs[1].config == {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 4,
                                "prompt_lookup_min": 2}

@@ -7,8 +7,9 @@ from specdec.cli import main
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
-def test_train_draft_writes_a_head_that_resumes_and_benchmarks(tiny_model_dir, spec_bench_file, humaneval_file, tmp_path,
-                                                               method):
+def test_train_draft_writes_a_head_that_resumes_and_benchmarks(
+    tiny_model_dir, spec_bench_file, humaneval_file, tmp_path, method
+):
     out = tmp_path / f"{method}.safetensors"
     argv = ["train-draft", "--model", str(tiny_model_dir), "--method", method, "--prompts", str(spec_bench_file),
             "--prompts", str(humaneval_file), "--max-new-tokens", "8", "--batch-tokens", "64", "--out", str(out),
@@ -39,10 +40,15 @@ def test_train_draft_samples_more_continuations_and_reports_held_out_chains(tiny
             "--loss-positions", "continuation", "--token-weight", "1.0", "--precision", "bf16", "--unroll-steps", "2"]
     assert main(argv) == 0
     training = json.loads(out.with_suffix(".json").read_text())["training"]
-    # the fixture files hold 4 questions: indices 0 and 2 of spec_bench and the HumanEval task train, index 1 is held out
+    # the fixture files hold 4 questions: indices 0 and 2 of spec_bench and the HumanEval task train, index 1 is held
+    # out
     assert training["samples"] == 3 and training["sequences"] == 3 * 3  # 3 continuations of each training prompt
     assert 0 < training["continuation_tokens"] <= 3 * 3 * 8
-    assert (training["loss_positions"], training["token_weight"], training["precision"]) == ("continuation", 1.0, "bf16")
+    assert (training["loss_positions"], training["token_weight"], training["precision"]) == (
+        "continuation",
+        1.0,
+        "bf16",
+    )
     held_out = training["held_out"]
     assert held_out["sequences"] == 1 and held_out["starts"] > 0 and len(held_out["chain_acceptance"]) == 5
     assert held_out["mean_accepted_length"] == pytest.approx(1 + sum(held_out["chain_acceptance"]), abs=1e-3)

@@ -29,8 +29,13 @@ def bench_run(tiny_model_dir, tmp_path_factory):
     dataset = data / "spec_bench.jsonl"
     dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = data / "out"
-    methods = ",".join(["none"] + [f"{config['method']}:{json.dumps({**{k: v for k, v in config.items() if k != 'method'}, 'label': label})}"
-                                   for label, config in LOOKUP_CONFIGS.items()])
+    methods = ",".join(
+        ["none"]
+        + [
+            f"{config['method']}:{json.dumps({**{k: v for k, v in config.items() if k != 'method'}, 'label': label})}"
+            for label, config in LOOKUP_CONFIGS.items()
+        ]
+    )
     argv = ["bench", "--model", str(tiny_model_dir), "--methods", methods, "--dataset", str(dataset),
             "--max-new-tokens", "40", "--out", str(out), "--no-progress", "--no-plots", "--draft-policy", "fixed"]
     assert cli_main(argv) == 0
@@ -69,7 +74,9 @@ def test_cli_prints_chains_and_trees_side_by_side(bench_run, tiny_model_dir, tmp
                  json.dumps(LOOKUP_CONFIGS["ngram-chain"]), "--branches", "1,4", "--json", str(out_json),
                  "--oracle-context", "1"]) == 0
     table = capsys.readouterr().out
-    assert "| ngram | 3 | 1 |" in table and "| ngram | 3 | 4 |" in table and "| copy oracle, context 1 | 3 | 1 |" in table
+    assert (
+        "| ngram | 3 | 1 |" in table and "| ngram | 3 | 4 |" in table and "| copy oracle, context 1 | 3 | 1 |" in table
+    )
     rows = json.loads(out_json.read_text())
     assert [row["branches"] for row in rows] == [1, 4, 1]
     assert rows[1]["mean_accepted_length"] >= rows[0]["mean_accepted_length"]

@@ -34,7 +34,9 @@ def test_model_defaults_follow_the_weight_format(make_tiny_model):
     assert make_tiny_model("llama", weight_format="fp32").kv_cache_dtype == torch.float32
 
 
-@pytest.mark.parametrize("name,expected", [("auto", torch.float16), ("float16", torch.float16), ("float32", torch.float32)])
+@pytest.mark.parametrize(
+    "name,expected", [("auto", torch.float16), ("float16", torch.float16), ("float32", torch.float32)]
+)
 def test_option_names(name, expected):
     assert kv_cache_dtype(name, torch.float16) == expected
 

@@ -36,7 +36,8 @@ def leaf_paths(tree):
 def test_tree_nodes_are_the_likeliest_children_of_their_paths_decoded_alone(make_tiny_model, architecture, overrides,
                                                                             num_branches):
     """Every node of the dynamic tree is among the num_branches likeliest next tokens of its path run alone in a
-    fresh cache (so the scratch rows attend exactly their own paths), its acceptance probability its path probability; the
+    fresh cache (so the scratch rows attend exactly their own paths), its acceptance probability its path probability;
+    the
     first branch is the chain draft and the other nodes come best first."""
     model = make_tiny_model(architecture, **overrides)
     k = 5
@@ -59,7 +60,8 @@ def test_tree_nodes_are_the_likeliest_children_of_their_paths_decoded_alone(make
 def test_tree_nodes_respect_the_threshold(make_tiny_model):
     model = make_tiny_model("qwen2")
     k = 4
-    # a node's acceptance probability is the draft probability of its path (< 1): a threshold of 1 allows none -> a chain
+    # a node's acceptance probability is the draft probability of its path (< 1): a threshold of 1 allows none -> a
+    # chain
     drafter = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, num_branches=3, min_branch_prob=1.0)
     drafter.add_request("r", PROMPT, SamplingParams(), None)
     (draft,) = drafter.propose(["r"], [k])

@@ -27,7 +27,9 @@ def test_methods_build_their_drafters(make_tiny_model, tiny_tokenizer, monkeypat
     assert isinstance(drafter, DraftModelDrafter)
 
 
-def test_draft_model_with_other_vocabulary_is_rejected_naming_the_ids(make_tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+def test_draft_model_with_other_vocabulary_is_rejected_naming_the_ids(
+    make_tiny_model, tiny_tokenizer, tmp_path, monkeypatch
+):
     directory = write_tiny_tokenizer(tmp_path / "other")
     data = json.loads((directory / "tokenizer.json").read_text())
     vocab = data["model"]["vocab"]
@@ -35,23 +37,37 @@ def test_draft_model_with_other_vocabulary_is_rejected_naming_the_ids(make_tiny_
     data["model"]["vocab"] = swapped
     (directory / "tokenizer.json").write_text(json.dumps(data))
     other_tokenizer = Tokenizer.from_hf_dir(directory)
-    monkeypatch.setattr("specdec.runtime.load_model", lambda name, fmt, device: (make_tiny_model("llama", seed=1), other_tokenizer))
+    monkeypatch.setattr(
+        "specdec.runtime.load_model", lambda name, fmt, device: (make_tiny_model("llama", seed=1), other_tokenizer)
+    )
     with pytest.raises(ValueError, match=r"2 ids differ.*71: target"):
-        build({"method": "draft_model", "model": "other", "num_speculative_tokens": 3}, make_tiny_model("llama"), tiny_tokenizer)
+        build(
+            {"method": "draft_model", "model": "other", "num_speculative_tokens": 3},
+            make_tiny_model("llama"),
+            tiny_tokenizer,
+        )
 
 
 def test_draft_model_with_other_vocabulary_size_is_rejected(make_tiny_model, tiny_tokenizer, monkeypatch):
     monkeypatch.setattr("specdec.runtime.load_model",
                         lambda name, fmt, device: (make_tiny_model("llama", seed=1, vocab_size=280), tiny_tokenizer))
     with pytest.raises(ValueError, match="280 entries, the target's 300"):
-        build({"method": "draft_model", "model": "small", "num_speculative_tokens": 3}, make_tiny_model("llama"), tiny_tokenizer)
+        build(
+            {"method": "draft_model", "model": "small", "num_speculative_tokens": 3},
+            make_tiny_model("llama"),
+            tiny_tokenizer,
+        )
 
 
 def test_draft_model_larger_than_target_warns(make_tiny_model, tiny_tokenizer, monkeypatch):
     monkeypatch.setattr("specdec.runtime.load_model",
                         lambda name, fmt, device: (make_tiny_model("llama", seed=1, num_layers=6), tiny_tokenizer))
     with pytest.warns(UserWarning, match="is not smaller than the target"):
-        build({"method": "draft_model", "model": "big", "num_speculative_tokens": 3}, make_tiny_model("llama"), tiny_tokenizer)
+        build(
+            {"method": "draft_model", "model": "big", "num_speculative_tokens": 3},
+            make_tiny_model("llama"),
+            tiny_tokenizer,
+        )
 
 
 def test_draft_vocab_size_keeps_the_first_ids_and_the_end_tokens(make_tiny_model, tiny_tokenizer, monkeypatch):

@@ -7,7 +7,12 @@ import dataclasses
 import pytest
 
 from specdec.config import SamplingParams
-from specdec.engine.draft_length.adaptive import AcceptanceEstimate, AdaptiveDraftPolicy, PopulationPrior, build_draft_policy
+from specdec.engine.draft_length.adaptive import (
+    AcceptanceEstimate,
+    AdaptiveDraftPolicy,
+    PopulationPrior,
+    build_draft_policy,
+)
 from specdec.engine.draft_length.costs import CostCalibration, CostModel, DrafterCost, ForwardCosts
 from specdec.engine.draft_length.policy import BatchDraftPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
@@ -125,8 +130,9 @@ def test_greedy_adaptive_output_identical_to_plain(make_tiny_model, tiny_tokeniz
     params = SamplingParams(max_tokens=40)
     prompts = PROMPTS[:batch] if batch > 1 else [PROMPTS[1]]
     plain, _ = run(model, tiny_tokenizer, prompts, params)
-    spec, engine = run_adaptive(model, tiny_tokenizer, prompts, params, make_drafter(method, make_tiny_model, architecture),
-                                CPU_LIKE)
+    spec, engine = run_adaptive(
+        model, tiny_tokenizer, prompts, params, make_drafter(method, make_tiny_model, architecture), CPU_LIKE
+    )
     assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
     assert [s.finish_reason for s in spec] == [s.finish_reason for s in plain]
     assert engine.metrics.drafted_tokens > 0
@@ -136,8 +142,9 @@ def test_adaptive_drafts_less_than_fixed_when_drafts_miss(make_tiny_model, tiny_
     model = make_tiny_model("qwen2")
     params = SamplingParams(max_tokens=60)
     _, fixed = run(model, tiny_tokenizer, PROMPTS, params, make_drafter("draft_model", make_tiny_model, "qwen2"), k=4)
-    _, adaptive = run_adaptive(model, tiny_tokenizer, PROMPTS, params, make_drafter("draft_model", make_tiny_model, "qwen2"),
-                               CPU_LIKE)
+    _, adaptive = run_adaptive(
+        model, tiny_tokenizer, PROMPTS, params, make_drafter("draft_model", make_tiny_model, "qwen2"), CPU_LIKE
+    )
     assert fixed.metrics.acceptance_rate < 0.05  # a random draft model: its drafts (almost) never hit
     assert adaptive.metrics.drafted_tokens < fixed.metrics.drafted_tokens / 4
 
@@ -173,8 +180,9 @@ def test_unmeasured_drafter_keeps_its_proportion_to_the_measured_target():
 
 def test_policy_without_a_profile_keeps_drafting_a_draft_model_that_hits(tiny_tokenizer):
     # the drafter estimate is a third of T(1) (weight bytes), its real cost the same third of the measured 60 ms
-    policy = AdaptiveDraftPolicy(4, CostModel.fallback(32, DrafterCost(per_token_s=0.33, per_step_s=0.33, batched=True)),
-                                 reprobe_interval=1000)
+    policy = AdaptiveDraftPolicy(
+        4, CostModel.fallback(32, DrafterCost(per_token_s=0.33, per_step_s=0.33, batched=True)), reprobe_interval=1000
+    )
     seq = make_seq(tiny_tokenizer)
     lengths = []
     for i in range(12):
@@ -261,7 +269,9 @@ def test_k_climbs_while_every_draft_is_accepted(tiny_tokenizer):
     policy = AdaptiveDraftPolicy(16, GEMMA_LIKE, max_verify_tokens=32)
     seq = make_seq(tiny_tokenizer)
     lengths = [step(policy, [seq], [16])[0] for _ in range(12)]
-    assert lengths == sorted(lengths) and lengths[3] >= 13, lengths  # it used to fall back to 10 after each deeper draft
+    assert lengths == sorted(lengths) and lengths[3] >= 13, (
+        lengths
+    )  # it used to fall back to 10 after each deeper draft
 
 
 def test_positions_beyond_fully_accepted_drafts_recover_from_early_misses():
@@ -329,8 +339,13 @@ def test_engine_reports_each_decode_step_cost(make_tiny_model, tiny_tokenizer):
 
     model = make_tiny_model("llama")
     policy = RecordingPolicy(3)
-    engine = Engine(model, tiny_tokenizer, drafter=make_drafter("ngram", make_tiny_model, "llama"), num_speculative_tokens=3,
-                    draft_policy=policy)
+    engine = Engine(
+        model,
+        tiny_tokenizer,
+        drafter=make_drafter("ngram", make_tiny_model, "llama"),
+        num_speculative_tokens=3,
+        draft_policy=policy,
+    )
     for prompt in PROMPTS[:2]:
         engine.add_request(list(prompt), SamplingParams(max_tokens=12, ignore_eos=True))
     while engine.has_unfinished():
@@ -366,7 +381,8 @@ def test_costly_drafter_that_always_hits_climbs_to_the_longest_k(tiny_tokenizer)
 
 
 def test_tree_nodes_are_kept_while_they_pay_for_their_rows():
-    """CostModel.tree_nodes: extra tree nodes (acceptance probability = expected tokens they add) best first over the batch, kept
+    """CostModel.tree_nodes: extra tree nodes (acceptance probability = expected tokens they add) best first over the
+    batch, kept
     while the step's expected tokens per second grows, never past the knee."""
     flat = CostModel(ForwardCosts.from_ratios(0.01, [1.0] * 8 + [3.0] * 24))  # free rows up to 8, then the knee
     # one sequence, chain of 3 (rows 1 + 3), 2 expected tokens; any acceptance probability > 0 pays while rows stay free

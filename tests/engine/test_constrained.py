@@ -22,8 +22,11 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0
           "required": ["a", "b", "c"], "additionalProperties": False}
 # no free whitespace: a random model would fill it for ever (llguidance's JSON option)
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}
-CONSTRAINTS = {"schema": GuidedDecoding(json_schema=dict(SCHEMA, **COMPACT)), "object": GuidedDecoding(json_object=True),
-               "regex": GuidedDecoding(regex=r"(ab|cd)+e")}
+CONSTRAINTS = {
+    "schema": GuidedDecoding(json_schema=dict(SCHEMA, **COMPACT)),
+    "object": GuidedDecoding(json_object=True),
+    "regex": GuidedDecoding(regex=r"(ab|cd)+e"),
+}
 PROMPTS = [[5, 17, 42, 5, 17, 42, 5, 17], [99, 3, 250, 77, 12, 8, 130, 64, 201, 99, 3, 250, 77], [33, 34]]
 METHODS = ("ngram", "suffix", "draft_model", "draft_model_same", "ngram_tree", "suffix_tree")  # trees: chains verified
 

@@ -56,7 +56,9 @@ def test_k_shrinks_as_t_rises_steeply():
 
 def test_draft_cost_shortens_k():
     cheap = CostModel(ForwardCosts.linear(0.010, 0.02)).best_k(0.7, max_k=16)
-    costly = CostModel(ForwardCosts.linear(0.010, 0.02), DrafterCost(per_token_s=0.003, batched=True)).best_k(0.7, max_k=16)
+    costly = CostModel(ForwardCosts.linear(0.010, 0.02), DrafterCost(per_token_s=0.003, batched=True)).best_k(
+        0.7, max_k=16
+    )
     assert cheap > costly
 
 
@@ -159,7 +161,9 @@ def test_long_contexts_shorten_the_draft():
 
 def test_calibration_counts_the_context_of_a_step():
     """A step that costs exactly what the profile says at its context leaves the level at 1."""
-    model = CostModel(ForwardCosts.linear(0.010, 0.05), context=ContextCosts(128, tuple(1e-6 * n for n in range(1, 33))))
+    model = CostModel(
+        ForwardCosts.linear(0.010, 0.05), context=ContextCosts(128, tuple(1e-6 * n for n in range(1, 33)))
+    )
     calibration = CostCalibration()
     calibration.observe(model, 9, (8,), None, model.target_seconds(9, (8,), (1128,)), (1128,))
     assert calibration.target_scale == pytest.approx(1.0)
@@ -289,7 +293,9 @@ def test_online_measurements_move_the_curve_towards_measured_costs():
         learner.observe(8, 0.011)  # 8 rows really cost 11 ms, 1.1 T(1)
     assert learner.samples.forward.values[8] == pytest.approx(1.1, rel=0.01)  # from the bound of 2 T(1)
     assert forward_of(learner)(6) == pytest.approx(0.0105, rel=0.01)  # between the measured 4 and 8
-    assert forward_of(learner)(16) == pytest.approx(0.022, rel=0.01) and forward_of(learner).knee() == 14  # 1.1 · 14 / 8
+    assert (
+        forward_of(learner)(16) == pytest.approx(0.022, rel=0.01) and forward_of(learner).knee() == 14
+    )  # 1.1 · 14 / 8
     count = learner.samples.one_row_count
     learner.observe(1, 0.020)  # a lone slow one-row step moves T(1) by the weight of one of its measurements
     assert learner.samples.one_row_s == pytest.approx(0.010 + max(1 / 32, 1 / (count + 1)) * 0.010)
@@ -321,7 +327,9 @@ def test_online_measurements_never_make_the_curve_cheaper_than_measured():
     assert learner.samples.forward.values[16] == pytest.approx((4.0 + 4.0 / 3) / 2)  # the step clipped to a third
     for _ in range(5000):
         learner.observe(1, 0.0001)  # many steps: the EMA follows, but each within max_jump of the estimate
-    assert forward_of(learner)(1) == pytest.approx(0.0001, rel=0.01) and forward_of(learner)(3) >= forward_of(learner)(2)
+    assert forward_of(learner)(1) == pytest.approx(0.0001, rel=0.01) and forward_of(learner)(3) >= forward_of(learner)(
+        2
+    )
     learner.observe(1, 0.0001)
     learner.observe(1, 0.0001)
     learner.observe(1, 0.001)  # a lone slow one-row step does not set the level: the median of the last 5 does
@@ -388,7 +396,9 @@ def test_first_use_profiles_within_the_budget_and_caches(make_tiny_model, tmp_pa
     assert build_draft_policy("adaptive", 4, 32, model, None, None).learner is None
 
 
-def test_a_profile_cut_short_by_its_budget_is_continued_at_the_next_start(make_tiny_model, tmp_path, monkeypatch, capsys):
+def test_a_profile_cut_short_by_its_budget_is_continued_at_the_next_start(
+    make_tiny_model, tmp_path, monkeypatch, capsys
+):
     """A machine where a forward costs about 0.3 s whatever its rows: the first start's 8 s time most counts, some
     once; the next starts time the rest, and those again, within 4 s each (as ratios to T(1): the level of a slower
     start does not matter), until nothing is left to time and a start measures nothing."""

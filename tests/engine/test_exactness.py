@@ -96,7 +96,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(make_tiny_model, 
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
     alone = generate(model, tiny_tokenizer, [PROMPTS[1]], params)[0]
     assert generate(model, tiny_tokenizer, [PROMPTS[0], PROMPTS[1]], params)[1] == alone
-    other_seed = generate(model, tiny_tokenizer, [PROMPTS[1]], SamplingParams(temperature=1.0, seed=99, max_tokens=16))[0]
+    other_seed = generate(model, tiny_tokenizer, [PROMPTS[1]], SamplingParams(temperature=1.0, seed=99, max_tokens=16))[
+        0
+    ]
     assert other_seed != alone
 
 
@@ -130,7 +132,12 @@ def test_chunked_prefill_interleaves_with_decoding_and_changes_nothing(make_tiny
     others = [engine.add_request(prompt, params) for prompt in PROMPTS[1:3]]
     while engine.has_unfinished():
         engine.step()
-    assert [first.output_token_ids, others[0].output_token_ids, others[1].output_token_ids, late.output_token_ids] == expected
+    assert [
+        first.output_token_ids,
+        others[0].output_token_ids,
+        others[1].output_token_ids,
+        late.output_token_ids,
+    ] == expected
 
 
 def test_prompts_prefill_in_one_forward_while_nothing_decodes(make_tiny_model, tiny_tokenizer, monkeypatch):
@@ -164,12 +171,16 @@ def test_prefill_runs_the_last_layer_for_its_logit_rows_only(make_tiny_model, ar
     full = model.forward_hidden(ForwardBatch.build(prompts, [0, 0, 0], [0, 1, 2], all_logits=False), full_cache)
     mlp_rows = []
     real_mlp = model._mlp
-    monkeypatch.setattr(model, "_mlp", lambda layer, hidden: mlp_rows.append(hidden.shape[0]) or real_mlp(layer, hidden))
+    monkeypatch.setattr(
+        model, "_mlp", lambda layer, hidden: mlp_rows.append(hidden.shape[0]) or real_mlp(layer, hidden)
+    )
     batch = ForwardBatch.build(prompts, [0, 0, 0], [0, 1, 2], all_logits=False, last_logits=[True, False, True])
     logits = model.forward(batch, pruned_cache)
     assert mlp_rows == [26] * (model.config.num_layers - 1) + [2]
     assert torch.equal(logits, full.logits[[0, 2]])
-    assert all(torch.equal(a, b) for a, b in zip(full_cache.keys + full_cache.values, pruned_cache.keys + pruned_cache.values))
+    assert all(
+        torch.equal(a, b) for a, b in zip(full_cache.keys + full_cache.values, pruned_cache.keys + pruned_cache.values)
+    )
     mlp_rows.clear()  # a chunk that ends no prompt: keys/values only, no logits
     assert model.forward(ForwardBatch.build([[1, 2, 3]], [9], [0], all_logits=False, last_logits=[False]),
                          pruned_cache).shape == (0, model.config.vocab_size)

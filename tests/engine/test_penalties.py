@@ -163,7 +163,9 @@ def test_stop_token_ids_end_like_eos_and_wait_for_min_tokens(make_tiny_model, ti
     model = make_tiny_model("qwen2")
     free, _ = generate(model, tiny_tokenizer, [(PROMPTS[1], SamplingParams(max_tokens=12, ignore_eos=True))])
     stop_id = free[0].output_token_ids[2]
-    stopped, _ = generate(model, tiny_tokenizer, [(PROMPTS[1], SamplingParams(max_tokens=12, stop_token_ids=(stop_id,)))])
+    stopped, _ = generate(
+        model, tiny_tokenizer, [(PROMPTS[1], SamplingParams(max_tokens=12, stop_token_ids=(stop_id,)))]
+    )
     assert stopped[0].output_token_ids == free[0].output_token_ids[: free[0].output_token_ids.index(stop_id) + 1]
     assert stopped[0].finish_reason == "stop"
     late, _ = generate(model, tiny_tokenizer, [(PROMPTS[1], SamplingParams(max_tokens=12, min_tokens=8,

@@ -82,7 +82,9 @@ def test_speculation_accepts_drafts_and_labels_tokens(make_tiny_model, tiny_toke
 
 def test_speculation_opt_out_per_request(make_tiny_model, tiny_tokenizer):
     model = make_tiny_model("llama")
-    seqs, engine = run(model, tiny_tokenizer, PROMPTS, SamplingParams(max_tokens=20), NgramDrafter(3, 1), speculative=False)
+    seqs, engine = run(
+        model, tiny_tokenizer, PROMPTS, SamplingParams(max_tokens=20), NgramDrafter(3, 1), speculative=False
+    )
     assert engine.metrics.verify_steps == 0 and all(seq.output_token_ids for seq in seqs)
 
 
@@ -92,7 +94,9 @@ def test_stop_string_and_max_tokens_cut_exactly_like_plain(make_tiny_model, tiny
     stop_text = plain[1].text[5:7]
     params = SamplingParams(max_tokens=13, stop=(stop_text,))
     plain, _ = run(model, tiny_tokenizer, PROMPTS, params)
-    spec, _ = run(model, tiny_tokenizer, PROMPTS, params, make_drafter("draft_model_same", make_tiny_model, "qwen2"), k=5)
+    spec, _ = run(
+        model, tiny_tokenizer, PROMPTS, params, make_drafter("draft_model_same", make_tiny_model, "qwen2"), k=5
+    )
     assert [s.output_token_ids for s in spec] == [s.output_token_ids for s in plain]
     assert [s.text for s in spec] == [s.text for s in plain]
     assert plain[1].finish_reason == "stop" and stop_text not in plain[1].text
@@ -283,7 +287,9 @@ def test_large_batches_decode_without_drafts(make_tiny_model, tiny_tokenizer):
     while engine.has_unfinished():
         engine.step()
     assert engine.metrics.drafted_tokens == 0
-    assert [seq.output_token_ids for seq in seqs] == [seq.output_token_ids for seq in run(model, tiny_tokenizer, PROMPTS * 2, params)[0]]
+    assert [seq.output_token_ids for seq in seqs] == [
+        seq.output_token_ids for seq in run(model, tiny_tokenizer, PROMPTS * 2, params)[0]
+    ]
 
 
 class RecordingPolicy(BatchDraftPolicy):

@@ -11,7 +11,12 @@ PREFIX = [5, 17, 42, 99, 3, 250, 77, 12, 8, 130, 64, 201]  # 12 committed tokens
 BRANCHES = [(17, 42, 99, 3), (17, 250, 77), (8, 130, 64, 201), (17, 42, 5, 6, 7), (9,)]
 TREE = DraftTree.from_branches(BRANCHES)  # 14 nodes, depth 5
 OTHER = [9, 8, 7, 6, 5, 4, 3, 2, 1]
-MODELS = [("llama", {}), ("qwen2", {}), ("gemma3", {}), ("gemma3", {"sliding_window": 2})]  # window 2: starts inside tree paths
+MODELS = [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("gemma3", {}),
+    ("gemma3", {"sliding_window": 2}),
+]  # window 2: starts inside tree paths
 
 
 def tree_parents(tree):

@@ -32,9 +32,17 @@ TRAIN_PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(3 + i % 9)] for i in 
 
 def head_config(model, method: str, draft_vocab_size: int | None = None) -> HeadConfig:
     c = model.config
-    common = dict(method=method, target_name=c.name, target_fingerprint=target_fingerprint(model),
-                  hidden_size=c.hidden_size, vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size or c.vocab_size,
-                  embedding_scale=c.embedding_scale, final_logit_softcap=c.final_logit_softcap, rms_norm_eps=c.rms_norm_eps)
+    common = dict(
+        method=method,
+        target_name=c.name,
+        target_fingerprint=target_fingerprint(model),
+        hidden_size=c.hidden_size,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=draft_vocab_size or c.vocab_size,
+        embedding_scale=c.embedding_scale,
+        final_logit_softcap=c.final_logit_softcap,
+        rms_norm_eps=c.rms_norm_eps,
+    )
     if method == "medusa":
         return HeadConfig(**common, num_medusa_heads=3)
     return HeadConfig(**common, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -77,7 +85,9 @@ def training_sequences(model, tokenizer, prompts=TRAIN_PROMPTS, new_tokens=40) -
 def train(model, tokenizer, method, steps, draft_vocab_size=None, checkpoint=None, sequences=None, **settings):
     sequences = sequences or training_sequences(model, tokenizer)
     config = head_config(model, method, draft_vocab_size)
-    parts = TargetParts.from_target(model, draft_vocabulary(sequences, model.config.vocab_size, config.draft_vocab_size))
+    parts = TargetParts.from_target(
+        model, draft_vocabulary(sequences, model.config.vocab_size, config.draft_vocab_size)
+    )
     lr = 3e-3 if method == "eagle" else 1e-2  # Medusa's heads start at zero (the identity) and need a push
     trainer = Trainer(config, parts, sequences, TrainSettings(steps=steps, batch_tokens=512, lr=lr, warmup_steps=5,
                                                               **settings), checkpoint=checkpoint)
@@ -87,7 +97,9 @@ def train(model, tokenizer, method, steps, draft_vocab_size=None, checkpoint=Non
 
 def make_head_drafter(trainer, model, max_num_seqs=4, max_model_len=256, weight_format="q8"):
     if trainer.config.method == "eagle":
-        return EagleDrafter(trainer.head, trainer.parts, model.config.vocab_size, max_num_seqs, max_model_len, weight_format)
+        return EagleDrafter(
+            trainer.head, trainer.parts, model.config.vocab_size, max_num_seqs, max_model_len, weight_format
+        )
     return MedusaDrafter(trainer.head, trainer.parts, model.config.vocab_size, weight_format)
 
 
@@ -117,7 +129,9 @@ def test_training_resumes_from_its_checkpoint(make_tiny_model, tiny_tokenizer, t
     sequences = training_sequences(model, tiny_tokenizer, TRAIN_PROMPTS[:8], new_tokens=16)
     straight = train(model, tiny_tokenizer, "eagle", steps=6, sequences=sequences)
     checkpoint = tmp_path / "head.ckpt"
-    interrupted = train(model, tiny_tokenizer, "eagle", steps=6, sequences=sequences, checkpoint=checkpoint, time_limit_s=0.0)
+    interrupted = train(
+        model, tiny_tokenizer, "eagle", steps=6, sequences=sequences, checkpoint=checkpoint, time_limit_s=0.0
+    )
     assert interrupted.state.step == 1 and checkpoint.is_file()  # stopped after its first step, checkpoint written
     resumed = train(model, tiny_tokenizer, "eagle", steps=6, sequences=sequences, checkpoint=checkpoint)
     assert resumed.state.step == 6 and len(resumed.state.history) == 6
@@ -194,7 +208,9 @@ def test_features_recorded_while_generating_equal_a_second_pass(make_tiny_model,
         assert len(sequence.token_ids) > len(prompt) + 20  # most of the continuation is kept (all but its last token)
         assert torch.equal(sequence.hidden, reference.to(torch.float16))
     greedy = generate_continuations(model, tiny_tokenizer, prompts[1::2], 30, max_len=64, batch_size=3)
-    assert [s.token_ids.tolist() for s in sequences[1::2]] == [g[: len(s.token_ids)] for g, s in zip(greedy, sequences[1::2])]
+    assert [s.token_ids.tolist() for s in sequences[1::2]] == [
+        g[: len(s.token_ids)] for g, s in zip(greedy, sequences[1::2])
+    ]
 
 
 def test_bf16_training_tracks_fp32_training(make_tiny_model, tiny_tokenizer):
@@ -314,8 +330,12 @@ def test_saved_head_reloads_to_identical_drafts(trained_heads, make_tiny_model, 
 
 def test_head_for_another_target_is_refused_with_the_reason(trained_heads, make_tiny_model, tmp_path):
     trainer = trained_heads("qwen2", "eagle")
-    path = save_head(tmp_path / "h.safetensors", trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, {})
-    with pytest.raises(ValueError, match=r"trained on tiny-qwen2 \(fingerprint [0-9a-f]{16}\); the target's weights differ"):
+    path = save_head(
+        tmp_path / "h.safetensors", trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, {}
+    )
+    with pytest.raises(
+        ValueError, match=r"trained on tiny-qwen2 \(fingerprint [0-9a-f]{16}\); the target's weights differ"
+    ):
         build_head_drafter("eagle", str(path), make_tiny_model("qwen2", seed=5), 256, 4)
     with pytest.raises(ValueError, match="trained for hidden size 64 and vocabulary 300 .* the target has 64 and 8"):
         build_head_drafter("eagle", str(path), make_tiny_model("qwen2", vocab_size=8), 256, 4)
@@ -328,7 +348,9 @@ def test_head_for_another_target_is_refused_with_the_reason(trained_heads, make_
 @pytest.mark.parametrize("method", METHODS)
 def test_speculative_config_builds_the_head_drafter(trained_heads, make_tiny_model, tiny_tokenizer, tmp_path, method):
     trainer = trained_heads("qwen2", method)
-    path = save_head(tmp_path / "h.safetensors", trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, {})
+    path = save_head(
+        tmp_path / "h.safetensors", trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, {}
+    )
     config = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 3, "model": str(path)})
     drafter = build_drafter(config, make_tiny_model("qwen2"), tiny_tokenizer, "q8", 256, 4)
     assert isinstance(drafter, EagleDrafter if method == "eagle" else MedusaDrafter)
@@ -341,7 +363,9 @@ def test_head_config_rejects_inconsistent_shapes():
         HeadConfig(method="medusa", target_name="t", target_fingerprint="f", hidden_size=64, vocab_size=300,
                    draft_vocab_size=301, num_medusa_heads=2)
     with pytest.raises(ValueError, match="unknown draft-head method 'hydra'"):
-        HeadConfig(method="hydra", target_name="t", target_fingerprint="f", hidden_size=64, vocab_size=300, draft_vocab_size=3)
+        HeadConfig(
+            method="hydra", target_name="t", target_fingerprint="f", hidden_size=64, vocab_size=300, draft_vocab_size=3
+        )
 
 
 def test_adaptive_policy_charges_the_head_by_its_weight_bytes(trained_heads, make_tiny_model):

@@ -38,7 +38,9 @@ def test_trained_head_gets_more_drafts_accepted_than_an_untrained_one(make_tiny_
 
     def accepted_length(trainer):
         drafter = make_head_drafter(trainer, model)
-        return run(model, tiny_tokenizer, PROMPTS, SamplingParams(max_tokens=40), drafter, k=4)[1].metrics.mean_accepted_length
+        return run(model, tiny_tokenizer, PROMPTS, SamplingParams(max_tokens=40), drafter, k=4)[
+            1
+        ].metrics.mean_accepted_length
 
     assert accepted_length(trained) > accepted_length(untrained)
 
@@ -235,7 +237,9 @@ def test_engine_cuts_eagle_trees_to_what_the_policy_keeps(make_tiny_model, tiny_
                                min_branch_prob=0.0)
         engine_rows = []
         original = model.forward_hidden
-        model.forward_hidden = lambda batch, cache: (engine_rows.append(max(batch.row_counts)), original(batch, cache))[1]
+        model.forward_hidden = lambda batch, cache: (engine_rows.append(max(batch.row_counts)), original(batch, cache))[
+            1
+        ]
         try:
             seqs, engine = run(model, tiny_tokenizer, PROMPTS[:2], params, drafter, k=4, draft_policy=Keep(keep))
         finally:

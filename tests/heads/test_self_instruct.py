@@ -30,7 +30,10 @@ def test_answers_become_rows_of_the_seeds_kind_or_are_dropped():
     assert question_row(CODE_SEED, "def sub(a, b):\n    '''Subtract b from a.'''", 4)["prompt"].startswith("def sub")
     assert question_row(CODE_SEED, "I cannot write that task for you, sorry.", 5) is None  # no def
     assert question_row(QA_SEED, "  Who painted the Mona Lisa, and where is it now?  ", 6) == {
-        "question_id": "self-instruct-6", "category": "qa", "turns": ["Who painted the Mona Lisa, and where is it now?"]}
+        "question_id": "self-instruct-6",
+        "category": "qa",
+        "turns": ["Who painted the Mona Lisa, and where is it now?"],
+    }
     assert question_row(QA_SEED, "Why?", 7) is None  # too short
 
 

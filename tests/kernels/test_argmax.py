@@ -25,12 +25,16 @@ def _check(logits: torch.Tensor) -> None:
     assert torch.equal(ids, torch.argmax(logits, dim=-1))
 
 
-@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 7), (2, 16), (5, 17), (9, 262144), (4, 151936), (1, 40000), (0, 50)])
+@pytest.mark.parametrize(
+    "rows,vocab", [(1, 1), (3, 7), (2, 16), (5, 17), (9, 262144), (4, 151936), (1, 40000), (0, 50)]
+)
 def test_random_logits(setting, rows, vocab):
     _check(torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows * vocab)) * 10)
 
 
-@pytest.mark.parametrize("positions", [(5, 21), (9, 2), (30, 18), (0, 16), (40000, 16384), (16383, 16384, 70000), (70001, 70000)])
+@pytest.mark.parametrize(
+    "positions", [(5, 21), (9, 2), (30, 18), (0, 16), (40000, 16384), (16383, 16384, 70000), (70001, 70000)]
+)
 def test_ties_go_to_the_first_index(setting, positions):
     """Equal maxima in one lane, in different lanes, in the tail, in different pieces (16384 values each)."""
     logits = torch.randn(3, 70003, generator=torch.Generator().manual_seed(1))

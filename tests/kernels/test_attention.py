@@ -167,7 +167,9 @@ def test_fp16_cache_gives_bitwise_the_fp32_result_of_its_values(hq, hkv, d, path
         for i in range(q.shape[0]):
             sl = slice(i, i + 1)
             assert torch.equal(ops.attention(q[sl], kc16, vc16, slots[sl], ks[sl], ke[sl], scale), full[sl]), f"row {i}"
-    torch.testing.assert_close(full, _reference(q, kc16.float(), vc16.float(), slots, ks, ke, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        full, _reference(q, kc16.float(), vc16.float(), slots, ks, ke, scale), atol=1e-5, rtol=1e-5
+    )
     torch.testing.assert_close(ops._attention_torch(q, kc16, vc16, slots, ks, ke, scale), full, atol=1e-5, rtol=1e-5)
 
 

@@ -18,8 +18,11 @@ def scalar(request):
 @pytest.mark.parametrize("rows,features", [(9, 640), (7, 576), (5, 1536), (4, 40), (3, 2048), (37, 96)])
 def test_embedding_equals_the_dequantized_rows(rows, features, layout):
     generator = torch.Generator().manual_seed(rows * features)
-    weight = QuantizedWeight.from_int8(torch.randint(-127, 128, (rows, features), generator=generator, dtype=torch.int8),
-                                       torch.rand(rows, -(-features // 32), generator=generator) * 0.1, layout)
+    weight = QuantizedWeight.from_int8(
+        torch.randint(-127, 128, (rows, features), generator=generator, dtype=torch.int8),
+        torch.rand(rows, -(-features // 32), generator=generator) * 0.1,
+        layout,
+    )
     ids = torch.tensor([rows - 1, 0, 3 % rows, rows - 1, 1 % rows])  # tiled rows and the plain last N % 4 rows
     expected = weight.int8(ids).to(torch.float32) * weight._scales(ids)  # the torch expression
     got = ops.embedding(ids, weight)

@@ -102,8 +102,23 @@ def test_row_units_cover_the_padded_row_with_one_epilogue_per_unit():
         assert sorted(ops._pack_index(kp).tolist()) == list(range(kp))
 
 
-@pytest.mark.parametrize("k,n", [(100, 9), (576, 37), (640, 20), (768, 9), (896, 130), (960, 41), (2048, 64), (2624, 13),
-                                 (4096, 24), (8960, 22), (640, 213), (1536, 500)])
+@pytest.mark.parametrize(
+    "k,n",
+    [
+        (100, 9),
+        (576, 37),
+        (640, 20),
+        (768, 9),
+        (896, 130),
+        (960, 41),
+        (2048, 64),
+        (2624, 13),
+        (4096, 24),
+        (8960, 22),
+        (640, 213),
+        (1536, 500),
+    ],
+)
 def test_scalar_path_matches_simd(k, n, layout, vector_path):
     """Every vector path against the scalar path, bit for bit; also with many row tiles (213 and 500 outputs: 14
     and 32 tiles of 16), which the SIMD paths walk as several weight streams side by side plus the tiles left over,

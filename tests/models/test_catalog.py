@@ -34,8 +34,13 @@ def fake_entry(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(package_root))
     data = b"".join(PART_CONTENTS)
     entry = CatalogEntry(
-        name="fake-model", description="test", packages=(), sha256=hashlib.sha256(data).hexdigest(),
-        size=len(data), role="test", source=PackagedFile(kind="concat", modules=(f"{module_prefix}1", f"{module_prefix}2")),
+        name="fake-model",
+        description="test",
+        packages=(),
+        sha256=hashlib.sha256(data).hexdigest(),
+        size=len(data),
+        role="test",
+        source=PackagedFile(kind="concat", modules=(f"{module_prefix}1", f"{module_prefix}2")),
     )
     monkeypatch.setitem(CATALOG, entry.name, entry)
     return entry

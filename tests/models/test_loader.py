@@ -203,7 +203,9 @@ def test_hf_dir_round_trip(tmp_path, architecture: str) -> None:
         prefix = f"model.layers.{layer}."
         torch.testing.assert_close(tensors[f"layers.{layer}.q_proj"], state[prefix + "self_attn.q_proj.weight"])
         torch.testing.assert_close(tensors[f"layers.{layer}.down_proj"], state[prefix + "mlp.down_proj.weight"])
-        torch.testing.assert_close(tensors[f"layers.{layer}.attn_norm"], state[prefix + "input_layernorm.weight"] + shift)
+        torch.testing.assert_close(
+            tensors[f"layers.{layer}.attn_norm"], state[prefix + "input_layernorm.weight"] + shift
+        )
         if architecture == "gemma3":
             torch.testing.assert_close(tensors[f"layers.{layer}.post_attn_norm"],
                                        state[prefix + "post_attention_layernorm.weight"] + 1)

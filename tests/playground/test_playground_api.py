@@ -54,8 +54,13 @@ def test_spec_info(playground_server):
                             "kernel_warning"}  # tests/server/test_server_kernel_info.py checks their values
 
 
-@pytest.mark.parametrize("path, prompt", [("/v1/completions", {"prompt": "abcabcabc"}),
-                                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abcabc"}]})])
+@pytest.mark.parametrize(
+    "path, prompt",
+    [
+        ("/v1/completions", {"prompt": "abcabcabc"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abcabc"}]}),
+    ],
+)
 def test_streamed_chunks_carry_token_kinds(playground_server, path, prompt):
     body = {"model": MODEL, **prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "return_token_kinds": True}

@@ -54,7 +54,9 @@ raw_bodies = st.one_of(bodies.map(lambda b: json.dumps(b).encode()), st.binary(m
 def test_fuzzed_bodies_never_get_a_5xx(ngram_server, path, body, short):
     if short and body.startswith(b"{") and b"max_tokens" not in body:  # keep valid requests quick
         body = body[:-1] + (b', "max_tokens": 3}' if body != b"{}" else b'"max_tokens": 3}')
-    response = httpx.post(ngram_server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    response = httpx.post(
+        ngram_server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60
+    )
     event(f"status {response.status_code}")
     assert response.status_code < 500, response.text
     if response.status_code >= 400:

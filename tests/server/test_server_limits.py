@@ -75,7 +75,9 @@ def test_a_50_mb_body_is_refused_while_it_is_read(ngram_server, chunked):
 
 
 def test_body_at_the_limit_is_read_and_over_it_is_413(make_tiny_model, tiny_tokenizer):
-    server = start_server(tiny_llm(make_tiny_model, tiny_tokenizer), ServerConfig(limits=RequestLimits(max_body_bytes=200)))
+    server = start_server(
+        tiny_llm(make_tiny_model, tiny_tokenizer), ServerConfig(limits=RequestLimits(max_body_bytes=200))
+    )
     try:
         at_limit = json.dumps({**GOOD, "user": ""}).encode()
         at_limit = at_limit[:-1] + b" " * (200 - len(at_limit)) + b"}"

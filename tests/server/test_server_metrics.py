@@ -29,13 +29,18 @@ def test_metrics_parse_and_spec_counters_move(ngram_server):
     assert after["specdec:spec_decode_num_draft_tokens_total"] >= after["specdec:spec_decode_num_drafts_total"]
     accepted = after["specdec:spec_decode_num_accepted_tokens_total"]
     assert accepted > plain["specdec:spec_decode_num_accepted_tokens_total"]  # the repetitive prompt gets accepted
-    per_position = [v for k, v in after.items() if k.startswith("specdec:spec_decode_num_accepted_tokens_per_pos_total")]
+    per_position = [
+        v for k, v in after.items() if k.startswith("specdec:spec_decode_num_accepted_tokens_per_pos_total")
+    ]
     assert 'specdec:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in after
     assert sum(per_position) == accepted
     for histogram in ["time_to_first_token_seconds", "e2e_request_latency_seconds"]:
         assert after[f"specdec:{histogram}_count"] == before[f"specdec:{histogram}_count"] + 2
         assert after[f'specdec:{histogram}_bucket{{le="+Inf"}}'] == after[f"specdec:{histogram}_count"]
-    assert after["specdec:inter_token_latency_seconds_count"] == before["specdec:inter_token_latency_seconds_count"] + 2 * 31
+    assert (
+        after["specdec:inter_token_latency_seconds_count"]
+        == before["specdec:inter_token_latency_seconds_count"] + 2 * 31
+    )
     assert after["specdec:generation_tokens_total"] == before["specdec:generation_tokens_total"] + 64
 
 

@@ -42,8 +42,14 @@ def test_load_test_levels_do_not_resend_each_others_prompts(cached_server, tmp_p
     from specdec.bench import load_test
 
     prompts = tmp_path / "prompts.jsonl"
-    rows = [{"question_id": i, "category": "summarization", "turns": [f"{letter} is the first letter of this rather long prompt"]}
-            for i, letter in enumerate("uvwxyz")]
+    rows = [
+        {
+            "question_id": i,
+            "category": "summarization",
+            "turns": [f"{letter} is the first letter of this rather long prompt"],
+        }
+        for i, letter in enumerate("uvwxyz")
+    ]
     prompts.write_text("\n".join(json.dumps(row) for row in rows))
     output = tmp_path / "report.json"
     assert load_test.main(["--url", cached_server.url, "--concurrency", "1,1,1", "--prompts", str(prompts),

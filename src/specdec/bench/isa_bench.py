@@ -6,7 +6,8 @@
 For each model and each kernel path this CPU runs (`--isas`, default all but scalar): plain greedy decode tok/s
 (128 tokens), prefill tok/s of a ~1000-token prompt, and the cost of one forward of 1 and of 8 new tokens after
 256 cached tokens (T(1), T(8), their ratio). The paths alternate within each of `--rounds` rounds (each in turn
-first) and the table gives medians, so a machine's slow minutes fall on every path alike. With `--llama-bench`, llama.cpp's
+first) and the table gives medians, so a machine's slow minutes fall on every path alike. With `--llama-bench`,
+llama.cpp's
 `llama-bench -t THREADS -p 0 -n 128` (decode) and `-p 1024 -n 0` (prefill) on the model's GGUF follow each round.
 `--llama-cpp` measures llama.cpp through llama-cpp-python in this process instead (the same decode prompt's
 token ids, greedy, 128 tokens; the same prefill tokens). Each weight format (`--weight-formats`, default the
@@ -148,7 +149,9 @@ def print_row(row: dict) -> None:
         line = (f"| {isa} | {m['decode_tok_s']:.1f} | {m['prefill_tok_s']:.0f} | {m['t1_ms']:.2f} | {m['t8_ms']:.2f} | "
                 f"{m['t8_ms'] / m['t1_ms']:.2f} |")
         if peer:
-            line += f" {m['decode_tok_s'] / peer['decode_tok_s']:.2f} | {m['prefill_tok_s'] / peer['prefill_tok_s']:.2f} |"
+            line += (
+                f" {m['decode_tok_s'] / peer['decode_tok_s']:.2f} | {m['prefill_tok_s'] / peer['prefill_tok_s']:.2f} |"
+            )
         print(line)
     if peer:
         print(f"| llama.cpp | {peer['decode_tok_s']:.1f} | {peer['prefill_tok_s']:.0f} | | | |" + " | |")

@@ -25,7 +25,9 @@ CACHE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 def _forward(model: Transformer, cache: KVCache, token_ids: list[int], start: int, all_logits: bool) -> torch.Tensor:
-    return model.forward(ForwardBatch.build([token_ids], [start], [0], all_logits=all_logits, device=model.device), cache)
+    return model.forward(
+        ForwardBatch.build([token_ids], [start], [0], all_logits=all_logits, device=model.device), cache
+    )
 
 
 def forward_times(model: Transformer, context: int, rounds: int, seed: int = 0) -> dict[tuple[str, int], float]:
@@ -47,7 +49,9 @@ def forward_times(model: Transformer, context: int, rounds: int, seed: int = 0) 
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
-def accuracy(reference: Transformer, quantized: Transformer, prompts: list[list[int]], new_tokens: int) -> dict[str, dict]:
+def accuracy(
+    reference: Transformer, quantized: Transformer, prompts: list[list[int]], new_tokens: int
+) -> dict[str, dict]:
     """Per cache dtype of the q8 model: |logit difference| to the reference and argmax agreement."""
     rows: dict[str, list[tuple[float, float, float]]] = {name: [] for name in CACHE_DTYPES}
     for prompt in prompts:
@@ -78,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--accuracy-prompts", type=int, default=0, help="Spec-Bench prompts for the accuracy part")
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--prompts", default="../shared/data/spec_bench_dev.jsonl", help="Spec-Bench-format JSONL (first turns)")
+    parser.add_argument(
+        "--prompts", default="../shared/data/spec_bench_dev.jsonl", help="Spec-Bench-format JSONL (first turns)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     configure_threads(args.threads)
@@ -86,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}, q8 weights, {args.threads} threads; ms, medians of {args.rounds} interleaved rounds")
     for context in (int(c) for c in args.contexts.split(",")):
         times = forward_times(model, context, args.rounds)
-        cells = "  ".join(f"T({rows}) {name} {times[(name, rows)] * 1e3:7.2f}" for rows in (1, 8) for name in CACHE_DTYPES)
+        cells = "  ".join(
+            f"T({rows}) {name} {times[(name, rows)] * 1e3:7.2f}" for rows in (1, 8) for name in CACHE_DTYPES
+        )
         change = "  ".join(f"T({rows}) {times[('fp16', rows)] / times[('fp32', rows)] - 1:+.1%}" for rows in (1, 8))
         print(f"context {context:5d}: {cells}   fp16 vs fp32: {change}", flush=True)
     if args.accuracy_prompts > 0:

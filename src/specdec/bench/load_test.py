@@ -142,9 +142,14 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
     if not done or usage is None or usage.get("completion_tokens", 0) < pieces:
         return RequestResult(ok=False, malformed=True, error=f"stream incomplete (done={done}, usage={usage})")
     details = usage.get("prompt_tokens_details") or {}
-    return RequestResult(ok=True, ttft_s=ttft if ttft is not None else latency, latency_s=latency,
-                         completion_tokens=int(usage["completion_tokens"]), prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                         cached_prompt_tokens=int(details.get("cached_tokens") or 0))
+    return RequestResult(
+        ok=True,
+        ttft_s=ttft if ttft is not None else latency,
+        latency_s=latency,
+        completion_tokens=int(usage["completion_tokens"]),
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_prompt_tokens=int(details.get("cached_tokens") or 0),
+    )
 
 
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, num_requests: int,
@@ -189,9 +194,19 @@ async def sample_rss(url: str, interval_s: float, samples_mb: list[float], stop:
                 pass
 
 
-async def run_level_sampled(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                            num_requests: int, duration_s: float | None, headers: dict[str, str], timeout_s: float,
-                            rss_interval_s: float, first_prompt: int = 0) -> tuple[list[RequestResult], float, list[float]]:
+async def run_level_sampled(
+    url: str,
+    model: str,
+    prompts: list[str],
+    concurrency: int,
+    max_tokens: int,
+    num_requests: int,
+    duration_s: float | None,
+    headers: dict[str, str],
+    timeout_s: float,
+    rss_interval_s: float,
+    first_prompt: int = 0,
+) -> tuple[list[RequestResult], float, list[float]]:
     samples_mb: list[float] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_rss(url, rss_interval_s, samples_mb, stop))
@@ -275,9 +290,11 @@ def format_table(reports: list[LevelReport]) -> str:
                     f"{num(r.acceptance_rate, '.2f'):>6} {num(r.mean_accepted_length, '.2f'):>5} "
                     f"{num(r.cached_prompt_tokens / r.prompt_tokens if r.prompt_tokens else None, '.0%'):>6} "
                     f"{num(r.server_rss_mb, '.0f'):>7} {num(r.server_rss_growth_mb, '+.1f'):>7}")
-    return "\n".join(rows) + ("\n(times in ms; tok/s = completion tokens / wall time of the level; cached = share of the "
-                              "prompt tokens the server took from its prefix cache; rss +MB = mean RSS of the level's "
-                              "last quarter minus its second quarter, shown with >= 8 samples)")
+    return "\n".join(rows) + (
+        "\n(times in ms; tok/s = completion tokens / wall time of the level; cached = share of the "
+        "prompt tokens the server took from its prefix cache; rss +MB = mean RSS of the level's "
+        "last quarter minus its second quarter, shown with >= 8 samples)"
+    )
 
 
 def served_model(url: str, headers: dict[str, str]) -> str:

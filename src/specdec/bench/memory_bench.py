@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(run_child(args.child[0], args.model, args.child[1])))
         return 0
-    runs = [("specdec", name) for name in args.formats.split(",")] + ([("llama.cpp", "Q4_K_M")] if args.llama_cpp else [])
+    runs = [("specdec", name) for name in args.formats.split(",")] + (
+        [("llama.cpp", "Q4_K_M")] if args.llama_cpp else []
+    )
     print(f"{args.model}: peak and resident memory after 32 tokens, each run a process of its own")
     print("| engine | format | peak resident (GB) | resident after (GB) | weights (MB) |")
     print("|---|---|---|---|---|")
@@ -69,9 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         out = subprocess.run([sys.executable, "-m", "specdec.bench.memory_bench", "--model", args.model, "--child",
                               kind, weight_format], capture_output=True, text=True, check=True).stdout
         result = json.loads(out.strip().splitlines()[-1])
-        weights = " + ".join(f"{name} {nbytes / 1e6:.0f}" for name, nbytes in sorted(result.get("linear_bytes", {}).items()))
-        print(f"| {kind} | {weight_format} | {result['peak_resident'] / 1e9:.2f} | {result['resident_after'] / 1e9:.2f} "
-              f"| {weights or '–'} |", flush=True)
+        weights = " + ".join(
+            f"{name} {nbytes / 1e6:.0f}" for name, nbytes in sorted(result.get("linear_bytes", {}).items())
+        )
+        print(
+            f"| {kind} | {weight_format} | {result['peak_resident'] / 1e9:.2f} | {result['resident_after'] / 1e9:.2f} "
+            f"| {weights or '–'} |",
+            flush=True,
+        )
     return 0
 
 

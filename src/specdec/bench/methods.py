@@ -1,7 +1,8 @@
 """What the benchmark runs: method specs parsed from the command line and the Runner interface.
 
 A Runner generates greedily for one prompt (token ids, batch 1) and returns a Generation. Our methods
-(``none``, ``ngram``, ``suffix``, ``draft_model``, ``eagle``, ``medusa``) are SpecdecRunners, one LLM each, all sharing one loaded
+(``none``, ``ngram``, ``suffix``, ``draft_model``, ``eagle``, ``medusa``) are SpecdecRunners, one LLM each, all sharing
+one loaded
 target; peers (HF transformers, llama.cpp, vLLM) implement the same interface in ``peers.py``.
 """
 from __future__ import annotations
@@ -126,12 +127,16 @@ def _method_spec(name: str, config_text: str, target: str, taken_labels: list[st
     draft_policy = overrides.pop("draft_policy", None)
     if name == REFERENCE_METHOD:
         if overrides or draft_policy is not None:
-            raise ValueError(f"method 'none' takes no speculative config, got {overrides or {'draft_policy': draft_policy}}")
+            raise ValueError(
+                f"method 'none' takes no speculative config, got {overrides or {'draft_policy': draft_policy}}"
+            )
         return MethodSpec(label, name)
     from specdec.config import DRAFT_POLICIES
 
     if draft_policy is not None and draft_policy not in DRAFT_POLICIES:
-        raise ValueError(f"unknown draft_policy {draft_policy!r} for method {label!r}; known: {', '.join(DRAFT_POLICIES)}")
+        raise ValueError(
+            f"unknown draft_policy {draft_policy!r} for method {label!r}; known: {', '.join(DRAFT_POLICIES)}"
+        )
     config = {"method": name, **DEFAULT_METHOD_CONFIGS[name], **overrides}
     if name == "draft_model" and "model" not in config:
         config["model"] = default_draft(target)

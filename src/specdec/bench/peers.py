@@ -61,8 +61,10 @@ class Peer(ABC):
 
     def check_available(self) -> None:
         if importlib.util.find_spec(self.module) is None:
-            raise PeerUnavailable(f"peer {self.name!r} needs the Python package {self.package!r}, which is not "
-                                  f"installed; run scripts/install-peers.sh and bench from its venv (docs/benchmarks.md)")
+            raise PeerUnavailable(
+                f"peer {self.name!r} needs the Python package {self.package!r}, which is not "
+                f"installed; run scripts/install-peers.sh and bench from its venv (docs/benchmarks.md)"
+            )
 
     @abstractmethod
     def build_runners(self, context: PeerContext) -> list[Runner]:
@@ -142,7 +144,11 @@ class HFRunner(_PeerRunner):
         options = {key: value for key, value in self.generate_kwargs.items() if key != "assistant_model"}
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=self.eos_token_ids,
                                   pad_token_id=self.eos_token_ids[0] if self.eos_token_ids else 0, **options)
-        assistant = {"assistant_model": self.generate_kwargs["assistant_model"]} if "assistant_model" in self.generate_kwargs else {}
+        assistant = (
+            {"assistant_model": self.generate_kwargs["assistant_model"]}
+            if "assistant_model" in self.generate_kwargs
+            else {}
+        )
         input_ids = torch.tensor([prompt_token_ids])
         self.forward_calls = 0
         clock = FirstTokenClock()

@@ -194,15 +194,18 @@ def markdown(results: dict[str, Any]) -> str:
         f"max {meta['max_new_tokens']} new tokens, {meta['repeats']} round(s); {meta['threads']} threads, "
         f"weights {meta['weight_format']}, torch {meta['torch_version']}, device {meta['device']}"
         f"{_kernels_text(meta)}.",
-        "## Speed-up over the reference\n\nRatio of median tok/s (ours over `none`, peers over their own plain row).\n\n"
-        + speedup_table(results),
+        "## Speed-up over the reference\n\nRatio of median tok/s (ours over `none`, peers over their own plain "
+        "row).\n\n" + speedup_table(results),
         "## Tokens per second\n\nMedian over prompts of new tokens / wall time (prefill included).\n\n"
         + _table(results, "tokens_per_s", ".1f"),
         "## Decode phase\n\nSpeed-up and tok/s of the decode phase alone: new tokens after the first / (wall time "
         "- time to the first token), medians over prompts; the time to the first token (prefill + first step) "
-        "is left out, as engines that report an \"eval\" speed do. `-` where a runner reports no first-token time.\n\n"
-        + _table(results, "decode_speedup", ".2f", "x") + "\n\n" + _table(results, "decode_tokens_per_s", ".1f")
-        + "\n\nMedian time to the first token (s):\n\n" + _table(results, "ttft_s", ".2f"),
+        'is left out, as engines that report an "eval" speed do. `-` where a runner reports no first-token time.\n\n'
+        + _table(results, "decode_speedup", ".2f", "x")
+        + "\n\n"
+        + _table(results, "decode_tokens_per_s", ".1f")
+        + "\n\nMedian time to the first token (s):\n\n"
+        + _table(results, "ttft_s", ".2f"),
         "## Acceptance rate α\n\naccepted / drafted tokens.\n\n" + _table(results, "acceptance_rate", ".2f"),
         "## Mean accepted length τ\n\nTokens emitted per verify step (1 + accepted / steps).\n\n"
         + _table(results, "mean_accepted_length", ".2f"),
@@ -227,8 +230,10 @@ def _mismatch_text(results: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|"]
     for m in results["mismatches"]:
         strict = "" if m["strict"] else " (peer, reported only)"
-        lines.append(f"| {m['method']}{strict} | {m['reference']} | {m['dataset']}/{m['question_id']} | "
-                     f"{m['turn'] + 1} | {m['round']} | {m['first_mismatch']} | {m['reference_token']} -> {m['token']} |")
+        lines.append(
+            f"| {m['method']}{strict} | {m['reference']} | {m['dataset']}/{m['question_id']} | "
+            f"{m['turn'] + 1} | {m['round']} | {m['first_mismatch']} | {m['reference_token']} -> {m['token']} |"
+        )
     return "\n".join(lines)
 
 

@@ -92,16 +92,27 @@ def bench_model(name: str, args: argparse.Namespace, bandwidth: float) -> dict:
 def print_row(row: dict) -> None:
     ratios = " ".join(f"{n}:{r:.2f}" for n, r in row["ratios"].items())
     hf = f", HF transformers {row['hf_decode_tok_s']:.1f} tok/s" if "hf_decode_tok_s" in row else ""
-    print(f"\n## {row['model']} ({row['weight_format']}, {row['weight_mb']:.0f} MB weights, loaded in {row['load_s']:.1f} s)")
-    print(f"prefill {row['prefill_tok_s']:.0f} tok/s ({row['prompt_tokens']} tokens), decode {row['decode_tok_s']:.1f} tok/s{hf}")
-    print(f"T(1) = {row['t1_ms']:.2f} ms -> {row['achieved_gb_s']:.1f} GB/s ({100 * row['bandwidth_fraction']:.0f} % of read bandwidth)")
+    print(
+        f"\n## {row['model']} ({row['weight_format']}, {row['weight_mb']:.0f} MB weights, "
+        f"loaded in {row['load_s']:.1f} s)"
+    )
+    print(
+        f"prefill {row['prefill_tok_s']:.0f} tok/s ({row['prompt_tokens']} tokens), "
+        f"decode {row['decode_tok_s']:.1f} tok/s{hf}"
+    )
+    print(
+        f"T(1) = {row['t1_ms']:.2f} ms -> {row['achieved_gb_s']:.1f} GB/s "
+        f"({100 * row['bandwidth_fraction']:.0f} % of read bandwidth)"
+    )
     print(f"T(n)/T(1): {ratios}")
     print(f"peak RSS {row['peak_rss_mb']:.0f} MB")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="gemma-3-270m,smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct")
+    parser.add_argument(
+        "--models", default="gemma-3-270m,smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct"
+    )
     parser.add_argument("--weight-format", default="q8")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--context", type=int, default=256)

@@ -5,7 +5,8 @@
 
 One target (default Qwen2.5-Coder-1.5B-Instruct) is loaded once and shared by every LLM: plain decoding, and per
 drafter one LLM with acceptance "exact" and one with "rejection" (the draft model, default Qwen2.5-Coder-0.5B-Instruct,
-is loaded by each of its two LLMs); the LLMs are built afresh for every temperature. Every speculative LLM drafts a fixed k tokens per step (draft policy "fixed",
+is loaded by each of its two LLMs); the LLMs are built afresh for every temperature. Every speculative LLM drafts a
+fixed k tokens per step (draft policy "fixed",
 chains), so acceptance figures do not depend on the machine's speed. The prompts are the first turns of the
 datasets' first questions, taken in turn from each file, in the model's chat template; prompt i is sampled with
 seed --seed + i at every temperature (top-k and top-p off unless given), by plain decoding and by every
@@ -147,7 +148,9 @@ def speculative_config(drafter: str, acceptance: str, setup: BenchSetup) -> dict
 
 
 def cases(setup: BenchSetup) -> list[Case]:
-    return [Case(PLAIN)] + [Case(drafter, acceptance) for drafter in setup.drafters for acceptance in ACCEPTANCE_METHODS]
+    return [Case(PLAIN)] + [
+        Case(drafter, acceptance) for drafter in setup.drafters for acceptance in ACCEPTANCE_METHODS
+    ]
 
 
 def build_llms(loaded, setup: BenchSetup) -> dict[Case, Any]:

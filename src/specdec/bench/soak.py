@@ -20,7 +20,8 @@ Every answer is checked against what its kind expects. Outcomes:
   malformed  an answer that breaks the format (bad JSON or SSE, missing fields, counts that disagree)
   lost       no complete answer: a transport error, the client's timeout, a stream that ends without [DONE]
 At the end the server must be idle within 30 s with every KV slot free, /health 200, and (subprocess) no traceback
-in its log and a clean stop on SIGTERM. Meanwhile the server's resident memory is sampled (/proc, or /metrics with --url) every --rss-interval
+in its log and a clean stop on SIGTERM. Meanwhile the server's resident memory is sampled (/proc, or /metrics with
+--url) every --rss-interval
 seconds. The report has the requests by kind and outcome, completion tokens and requests per minute (client side;
 the server's generated tokens per minute too, which include abandoned requests), the median RSS of the first and
 the last minute, and the KV slots at the end. Prints a summary, writes JSON (bench_results/soak-*.json, the server's

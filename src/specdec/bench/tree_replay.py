@@ -80,7 +80,9 @@ def accepted_draft_tokens(draft: Draft, target_token_ids: list[int]) -> int:
     """How many draft tokens greedy verification accepts, given the target's greedy tokens from here on (the
     answer's rest: a walk that reaches its end stops there)."""
     tree = draft.tree or DraftTree.from_branches([draft.token_ids])
-    return len(tree.accepted_path(lambda node, depth: target_token_ids[depth] if depth < len(target_token_ids) else None))
+    return len(
+        tree.accepted_path(lambda node, depth: target_token_ids[depth] if depth < len(target_token_ids) else None)
+    )
 
 
 def replay(config: SpeculativeConfig, cases: list[ReplayCase], categories: set[str] | None = None,
@@ -176,7 +178,9 @@ def cases_from_results(results: dict[str, Any], tokenizer, round_index: int = 0)
     """The plain row's generations of one round, in the bench's order, with the prompts rebuilt from the
     datasets named in the run's metadata (a later turn's conversation holds the plain row's earlier answers).
     A rebuilt prompt whose length differs from the recorded one is an error (other data or tokenizer)."""
-    questions = {(q.dataset, q.question_id): q for path in results["metadata"]["datasets"] for q in load_questions(path)}
+    questions = {
+        (q.dataset, q.question_id): q for path in results["metadata"]["datasets"] for q in load_questions(path)
+    }
     plain = [r for r in results["records"] if r["method"] == REFERENCE_METHOD and r["round"] == round_index]
     if not plain:
         raise ValueError(f"the results hold no {REFERENCE_METHOD!r} rows of round {round_index}: nothing to replay")
@@ -186,7 +190,9 @@ def cases_from_results(results: dict[str, Any], tokenizer, round_index: int = 0)
         key = (record["dataset"], record["question_id"])
         question: Question | None = questions.get(key)
         if question is None:
-            raise ValueError(f"question {key[1]!r} of {key[0]} is not in the datasets {results['metadata']['datasets']}")
+            raise ValueError(
+                f"question {key[1]!r} of {key[0]} is not in the datasets {results['metadata']['datasets']}"
+            )
         messages = answers.get(key, []) + [{"role": "user", "content": question.turns[record["turn"]]}]
         answers[key] = messages + [{"role": "assistant", "content": record["text"]}]
         prompt_ids = tokenizer.encode_chat(messages)

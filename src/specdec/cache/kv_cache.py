@@ -43,11 +43,15 @@ class KVCache:
         self.max_len = max_len
         self.dtype = dtype
         shape = (num_slots, config.num_kv_heads, max_len, config.head_dim)
-        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]  # each [slots, kv_heads, max_len, head_dim]
+        self.keys = [
+            torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)
+        ]  # each [slots, kv_heads, max_len, head_dim]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
         self._free_slots = list(range(num_slots - 1, -1, -1))
 
-    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         """slots, positions [tokens]; keys, values [tokens, kv_heads, head_dim] fp32 (rounded to the cache dtype)."""
         kv_write(self.keys[layer], self.values[layer], slots, positions, keys, values)
 

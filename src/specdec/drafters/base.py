@@ -135,7 +135,8 @@ class HiddenStateDrafter(Drafter):
 
     The engine runs the target with ``forward_hidden`` for such a drafter and hands it, per request, the
     final-normed hidden rows of every newly committed position, in order, before the next ``propose``: every
-    prefill chunk's rows, and after a verify step the rows of the last token and the accepted drafts (the recovered/bonus token's row comes with the next step, once the target has read it). So at
+    prefill chunk's rows, and after a verify step the rows of the last token and the accepted drafts (the
+    recovered/bonus token's row comes with the next step, once the target has read it). So at
     ``propose`` time the drafter holds hidden(0 .. n-2) for a sequence of n committed tokens and pairs
     hidden(t) with token(t + 1).
     """

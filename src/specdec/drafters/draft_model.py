@@ -11,7 +11,8 @@ draft model expands the chain's node and the b - 1 other nodes whose paths it fi
 the same forward (the chain in place in the draft cache, the others at scratch positions attending their own
 paths, so each row is its path decoded alone), and each adds its b most likely next tokens. The chain is exactly
 the chain draft; the other nodes follow it likeliest first, their path probability their acceptance probability, and
-the engine keeps those that pay for their verify rows. Sampled requests draft chains: each draft token is drawn with the request's
+the engine keeps those that pay for their verify rows. Sampled requests draft chains: each draft token is drawn with the
+request's
 draft number of its output index (verify/noise.py), plain decoding's own under exact acceptance.
 
 With draft_token_ids (`draft_vocab_size`), the draft model computes only those rows of its output layer (the
@@ -135,7 +136,9 @@ class DraftModelDrafter(Drafter):
         softmax, top-k and top-p see only the draft tokens; their order, and so the argmax's ties, is kept)."""
         if self.draft_head is None:
             return self.model.forward(batch, self.cache)
-        reduced = self.model.logits(self.model.forward_normed(batch, self.cache), self.draft_head)  # [rows, draft vocab]
+        reduced = self.model.logits(
+            self.model.forward_normed(batch, self.cache), self.draft_head
+        )  # [rows, draft vocab]
         logits = reduced.new_full((reduced.shape[0], self.model.config.vocab_size), float("-inf"))  # [rows, vocab]
         logits[:, self.draft_token_ids] = reduced
         return logits

@@ -35,7 +35,9 @@ def build_lookup_drafter(config: SpeculativeConfig) -> Drafter:
 
         return SuffixDrafter(config.suffix_max_depth, config.suffix_min_token_prob, config.suffix_cache_requests,
                              config.num_draft_branches)
-    raise ValueError(f"method {config.method!r} is not a lookup drafter ({', '.join(LOOKUP_METHODS)}): it needs a model")
+    raise ValueError(
+        f"method {config.method!r} is not a lookup drafter ({', '.join(LOOKUP_METHODS)}): it needs a model"
+    )
 
 
 def _build_draft_model(config, target: Transformer, tokenizer: Tokenizer, weight_format: str,
@@ -61,15 +63,20 @@ def _build_draft_model(config, target: Transformer, tokenizer: Tokenizer, weight
                              config.draft_tree_min_prob, config.draft_prefix_cache_tokens, draft_token_ids)
 
 
-def check_same_vocabulary(target_tokenizer: Tokenizer, draft_tokenizer: Tokenizer, target_vocab: int, draft_vocab: int) -> None:
+def check_same_vocabulary(
+    target_tokenizer: Tokenizer, draft_tokenizer: Tokenizer, target_vocab: int, draft_vocab: int
+) -> None:
     """The verifier compares token ids, so both models must map ids to the same tokens."""
     if target_vocab != draft_vocab:
-        raise ValueError(f"draft model vocabulary has {draft_vocab} entries, the target's {target_vocab}: they must be the same")
+        raise ValueError(
+            f"draft model vocabulary has {draft_vocab} entries, the target's {target_vocab}: they must be the same"
+        )
     size = min(target_tokenizer.vocab_size, draft_tokenizer.vocab_size)
     differing = [i for i in range(size) if target_tokenizer.id_to_token(i) != draft_tokenizer.id_to_token(i)]
     if differing or target_tokenizer.vocab_size != draft_tokenizer.vocab_size:
         examples = ", ".join(
-            f"{i}: target {target_tokenizer.id_to_token(i)!r} vs draft {draft_tokenizer.id_to_token(i)!r}" for i in differing[:5]
+            f"{i}: target {target_tokenizer.id_to_token(i)!r} vs draft {draft_tokenizer.id_to_token(i)!r}"
+            for i in differing[:5]
         )
         raise ValueError(
             f"draft and target tokenizers differ ({len(differing)} ids differ, tokenizer sizes "

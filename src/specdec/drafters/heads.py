@@ -50,7 +50,9 @@ class HeadDrafter(HiddenStateDrafter):
 
     forward_per_draft_token: bool
 
-    def __init__(self, head: EagleHead | MedusaHeads, parts: TargetParts, vocab_size: int, weight_format: str = "q8") -> None:
+    def __init__(
+        self, head: EagleHead | MedusaHeads, parts: TargetParts, vocab_size: int, weight_format: str = "q8"
+    ) -> None:
         self.head = head.eval()
         self.parts = parts
         self.vocab_size = vocab_size
@@ -122,7 +124,8 @@ class EagleDrafter(HeadDrafter):
     step j feeds (predicted state, draft j) at the next position. Afterwards only the real pairs count as
     cached (rollback by length): the next step's real hidden rows overwrite the drafted positions.
 
-    num_branches = b > 1 (greedy requests): EAGLE-2's dynamic tree by draft confidence (drafters.tree_growth.GrowingTree).
+    num_branches = b > 1 (greedy requests): EAGLE-2's dynamic tree by draft confidence
+    (drafters.tree_growth.GrowingTree).
     At every depth the head expands the chain's node and the b - 1 other nodes whose paths it finds likeliest
     (one head row each, all requests in one forward), each adding its b best next tokens; the draft is the chain
     then the other nodes by path probability (at least min_branch_prob), up to b * k nodes, which the engine cuts
@@ -155,7 +158,9 @@ class EagleDrafter(HeadDrafter):
                               lambda logits, depth, state=state: self._draft_token(state, logits, depth),
                               self.num_branches, self.min_branch_prob, self.cache.max_len, self.parts.draft_token_ids)
                    for state, budget in zip(states, max_draft_tokens)]
-        active = [i for i, (state, budget) in enumerate(zip(states, max_draft_tokens)) if budget > 0 and state.pending_hidden]
+        active = [
+            i for i, (state, budget) in enumerate(zip(states, max_draft_tokens)) if budget > 0 and state.pending_hidden
+        ]
         predicted = self._consume_pending([states[i] for i in active])  # [active, hidden]
         # the predicted state each next row is drafted from, per request and tree node (-1: the root; a chain's
         # newest prediction replaces its -1 after every depth)
@@ -213,7 +218,9 @@ class MedusaDrafter(HeadDrafter):
         drafted: list[list[int]] = [[] for _ in states]
         probs: list[list[torch.Tensor]] = [[] for _ in states]
         limit = self.head.config.num_medusa_heads
-        active = [i for i, (state, budget) in enumerate(zip(states, max_draft_tokens)) if budget > 0 and state.pending_hidden]
+        active = [
+            i for i, (state, budget) in enumerate(zip(states, max_draft_tokens)) if budget > 0 and state.pending_hidden
+        ]
         if not active:
             return _drafts(drafted, probs)
         newest = torch.cat([states[i].pending_hidden[-1] for i in active])  # [active, hidden]

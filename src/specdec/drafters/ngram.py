@@ -127,7 +127,10 @@ class NgramDrafter(Drafter):
 
     def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
         check_propose_args(request_ids, max_draft_tokens)
-        return [self._propose_one(self._index(request_id), budget) for request_id, budget in zip(request_ids, max_draft_tokens)]
+        return [
+            self._propose_one(self._index(request_id), budget)
+            for request_id, budget in zip(request_ids, max_draft_tokens)
+        ]
 
     @staticmethod
     def _propose_one(index: _NgramIndex, max_tokens: int) -> Draft:

@@ -102,10 +102,14 @@ class DraftTree:
         """The nodes greedy verification accepts, in depth order: from the root, the child whose token is
         next_token(node, depth), the target's token after `node` (-1: the last committed token) with `depth`
         nodes accepted so far; the walk ends where no child has that token (or next_token gives None)."""
-        child_by_token = {(parent, token_id): node for node, (parent, token_id) in enumerate(zip(self.parents, self.token_ids))}
+        child_by_token = {
+            (parent, token_id): node for node, (parent, token_id) in enumerate(zip(self.parents, self.token_ids))
+        }
         path: list[int] = []
         node = -1
-        while (token := next_token(node, len(path))) is not None and (child := child_by_token.get((node, token))) is not None:
+        while (token := next_token(node, len(path))) is not None and (
+            child := child_by_token.get((node, token))
+        ) is not None:
             path.append(child)
             node = child
         return path

@@ -1,6 +1,7 @@
 """Growing drafts, and draft trees, depth by depth: one forward of the drafter per depth for every request of the
 batch, and a request's draft grows either as a chain (its argmax or sampled token at each depth) or, for greedy
-requests with num_branches > 1, as EAGLE-2's dynamic draft tree (`GrowingTree`). The draft model and the EAGLE head both draft
+requests with num_branches > 1, as EAGLE-2's dynamic draft tree (`GrowingTree`). The draft model and the EAGLE head both
+draft
 this way (`DraftGrowth`); they differ only in what one forward row reads (a model's KV cache, or the head's
 cache plus the predicted target state).
 """
@@ -49,7 +50,8 @@ class GrowingTree:
 
     Depth 0 holds the root's children (`add_children(-1, ...)`). At each depth the drafter expands (runs one
     forward row for) the greedy chain's node and the `width - 1` likeliest other nodes of that depth (path
-    probability at least `min_prob`); every expanded node adds its argmax child (on the chain when the node is) and its best
+    probability at least `min_prob`); every expanded node adds its argmax child (on the chain when the node is) and its
+    best
     other children, `width` in all. The draft (`draft`) is the chain, depths 0 .. max_depth - 1 exactly as a
     chain drafter proposes it, followed by the other nodes with a path probability of at least min_prob, likeliest
     first, up to `max_nodes` nodes in all: a node's parent is at least as likely as the node, so every prefix of that
@@ -119,9 +121,15 @@ class GrowingTree:
                 prefix_ends.append(self.base + fork)
                 tree_keys.append(tuple(self.nodes[j].cache_position for j in path[fork:]))
             cache_positions.append(node.cache_position)
-        return TreeRows(tuple(nodes), tuple(self.nodes[i].parent for i in nodes),
-                        tuple(self.nodes[i].token_id for i in nodes), tuple(self.base + self.nodes[i].depth for i in nodes),
-                        tuple(cache_positions), tuple(prefix_ends), tuple(tree_keys))
+        return TreeRows(
+            tuple(nodes),
+            tuple(self.nodes[i].parent for i in nodes),
+            tuple(self.nodes[i].token_id for i in nodes),
+            tuple(self.base + self.nodes[i].depth for i in nodes),
+            tuple(cache_positions),
+            tuple(prefix_ends),
+            tuple(tree_keys),
+        )
 
     def path(self, node: int) -> list[int]:
         """Nodes from depth 0 down to `node`."""
@@ -139,8 +147,10 @@ class GrowingTree:
         """(the chain's tokens, the tree to verify or None when no other node reaches min_prob), the tree's
         acceptance probabilities its nodes' path probabilities."""
         chain = self.chain()
-        others = sorted((i for i, node in enumerate(self.nodes) if not node.on_chain and node.path_prob >= self.min_prob),
-                        key=lambda i: (-self.nodes[i].path_prob, self.nodes[i].depth, i))
+        others = sorted(
+            (i for i, node in enumerate(self.nodes) if not node.on_chain and node.path_prob >= self.min_prob),
+            key=lambda i: (-self.nodes[i].path_prob, self.nodes[i].depth, i),
+        )
         order = chain + others[: max(0, self.max_nodes - len(chain))]
         index = {node: position for position, node in enumerate(order)}
         chain_tokens = tuple(self.nodes[i].token_id for i in chain)

@@ -18,7 +18,8 @@ share of max_verify_tokens rows (max_verify_tokens // batch size - 1, at least k
 acceptance verify the first branch as a chain.
 
 A constrained request (SamplingParams.guided) verifies chains: its draft is cut at the first token its grammar
-forbids (the tokens the grammar forces next fill the rest) and every verify row is masked with the grammar state the drafts before it reach (verify/grammar.py).
+forbids (the tokens the grammar forces next fill the rest) and every verify row is masked with the grammar state the
+drafts before it reach (verify/grammar.py).
 """
 from __future__ import annotations
 
@@ -306,7 +307,12 @@ class Engine:
             proposed = self.drafter.propose([seq.request_id for seq in speculating], budgets)
             node_budget = max(max(lengths), self.max_verify_tokens // len(seqs) - 1)
             capped = [draft.capped(seq.max_draft_tokens(node_budget)) for seq, draft in zip(speculating, proposed)]
-            drafts = dict(zip((seq.request_id for seq in speculating), self._cut_trees_to_what_pays(speculating, capped, planned_batch)))
+            drafts = dict(
+                zip(
+                    (seq.request_id for seq in speculating),
+                    self._cut_trees_to_what_pays(speculating, capped, planned_batch),
+                )
+            )
         return _Proposal([drafts.get(seq.request_id, EMPTY_DRAFT) for seq in seqs],
                          sum(tokens for tokens, k in zip(catch_up, lengths) if k))
 
@@ -317,7 +323,9 @@ class Engine:
         estimated = [tree is not None and tree.acceptance_probs is not None for tree in trees]
         if not any(estimated):
             return drafts
-        verified = [len(d.token_ids) if e else len((tree or d).token_ids) for d, tree, e in zip(drafts, trees, estimated)]
+        verified = [
+            len(d.token_ids) if e else len((tree or d).token_ids) for d, tree, e in zip(drafts, trees, estimated)
+        ]
         extra_probs = [tree.acceptance_probs[len(d.token_ids):] if e else ()
                        for d, tree, e in zip(drafts, trees, estimated)]
         kept = self.draft_policy.tree_nodes(seqs, [len(d.token_ids) for d in drafts], verified, extra_probs, batch_size)
@@ -475,7 +483,9 @@ def _emitted_rows(result: VerifyResult | TreeVerifyResult, per_row: torch.Tensor
     return per_row
 
 
-def token_logprobs(target_logits: torch.Tensor, token_ids: list[int], num_top: int | None) -> tuple[TokenLogprob, ...] | None:
+def token_logprobs(
+    target_logits: torch.Tensor, token_ids: list[int], num_top: int | None
+) -> tuple[TokenLogprob, ...] | None:
     """target_logits [>= len(token_ids), vocab]: row i is the distribution token_ids[i] was drawn from."""
     if num_top is None:
         return None

@@ -43,7 +43,9 @@ class Sequence:
     stopped_by_string: bool = False
     streamed_chars: int = 0  # characters of `text` already handed out
     metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
-    grammar: GrammarMatcher | None = None  # the output's constraint state after the committed tokens (verify/grammar.py)
+    grammar: GrammarMatcher | None = (
+        None  # the output's constraint state after the committed tokens (verify/grammar.py)
+    )
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -77,7 +79,9 @@ class Sequence:
         self.token_kinds.append(kind)
         if self.grammar is not None and not self.grammar.advance(token_id):
             raise RuntimeError(f"token {token_id} emitted against the request's grammar")
-        is_eos = (token_id in self.eos_token_ids and not self.params.ignore_eos) or token_id in self.params.stop_token_ids
+        is_eos = (
+            token_id in self.eos_token_ids and not self.params.ignore_eos
+        ) or token_id in self.params.stop_token_ids
         if not is_eos:
             self._add_text(self.detokenizer.push(token_id))
         if self.finish_reason is None:

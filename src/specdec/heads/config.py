@@ -120,7 +120,9 @@ def load_head(path: str | Path) -> HeadFile:
         raise FileNotFoundError(f"draft head {path} lacks its JSON config {sidecar}")
     meta = json.loads(sidecar.read_text())
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"draft head {path} has format version {meta.get('format_version')}, expected {FORMAT_VERSION}")
+        raise ValueError(
+            f"draft head {path} has format version {meta.get('format_version')}, expected {FORMAT_VERSION}"
+        )
     config = HeadConfig(**meta["config"])
     tensors = load_file(str(path))
     state = {name.removeprefix("head."): tensor for name, tensor in tensors.items() if name.startswith("head.")}

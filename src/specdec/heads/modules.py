@@ -144,7 +144,8 @@ class EagleHead(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Training, teacher-forced: whole sequences from position 0. embeds [B, T, hidden] (token t + 1), hidden
-        [B, T, hidden] (target state at t) -> predicted target state at t + 1 [B, T, hidden]. Causal; padding at the end."""
+        [B, T, hidden] (target state at t) -> predicted target state at t + 1 [B, T, hidden]. Causal; padding at the
+        end."""
         return self.forward_unrolled(embeds, hidden, steps=1)[0]
 
     def forward_unrolled(self, embeds: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -191,7 +192,8 @@ class EagleHead(nn.Module):
         """Drafting: the ragged rows of several requests, laid out as the target's forward lays them out (RoPE
         positions, cache positions, prefix ends and tree keys of `batch`: chains, or the nodes of a growing tree).
         embeds, hidden [rows, hidden]. Writes the rows' keys/values and returns the predicted next states
-        [rows, hidden]. projections: the frozen drafting copies (`projections(weight_format)`); None: the fp32 modules."""
+        [rows, hidden]. projections: the frozen drafting copies (`projections(weight_format)`); None: the fp32
+        modules."""
         proj = projections if projections is not None else self.projections()
         x = self._input(embeds, hidden, proj)
         query, key, value = self._qkv(x, batch.positions, proj)

@@ -340,7 +340,9 @@ class QuantizedWeight:
         return cls._pack(natural, sc, k, layout)
 
     @classmethod
-    def _pack(cls, natural: torch.Tensor, scale: torch.Tensor, in_features: int, layout: str | None) -> "QuantizedWeight":
+    def _pack(
+        cls, natural: torch.Tensor, scale: torch.Tensor, in_features: int, layout: str | None
+    ) -> "QuantizedWeight":
         """natural int8 [N, Kp] (zero padded), scale fp16 [N, Kp/32] -> the packed weight in layout."""
         layout = layout or default_q8_layout()
         if layout == "amx":

@@ -120,7 +120,9 @@ def _tile(rows: torch.Tensor) -> torch.Tensor:
     out, width = rows.shape
     full = out // ROW_TILE * ROW_TILE
     tiled = torch.empty_like(rows)
-    tiled[:full] = rows[:full].view(full // ROW_TILE, ROW_TILE, width // CHUNK, CHUNK).transpose(1, 2).reshape(full, width)
+    tiled[:full] = (
+        rows[:full].view(full // ROW_TILE, ROW_TILE, width // CHUNK, CHUNK).transpose(1, 2).reshape(full, width)
+    )
     tiled[full:] = rows[full:]
     return tiled
 
@@ -129,7 +131,9 @@ def _untile(tiled: torch.Tensor) -> torch.Tensor:
     out, width = tiled.shape
     full = out // ROW_TILE * ROW_TILE
     rows = torch.empty_like(tiled)
-    rows[:full] = tiled[:full].view(full // ROW_TILE, width // CHUNK, ROW_TILE, CHUNK).transpose(1, 2).reshape(full, width)
+    rows[:full] = (
+        tiled[:full].view(full // ROW_TILE, width // CHUNK, ROW_TILE, CHUNK).transpose(1, 2).reshape(full, width)
+    )
     rows[full:] = tiled[full:]
     return rows
 
@@ -227,7 +231,9 @@ class Q4Weight:
         """[out, in] fp32: (d * sc) * q - dmin * m, bitwise as gguf-py's Q4_K dequantization."""
         blocks = self.blocks()
         out = self.out_features
-        sub_scale = blocks.d.to(torch.float32).repeat_interleave(SUB_BLOCKS, dim=1) * blocks.sub_scales.to(torch.float32)
+        sub_scale = blocks.d.to(torch.float32).repeat_interleave(SUB_BLOCKS, dim=1) * blocks.sub_scales.to(
+            torch.float32
+        )
         sub_min = blocks.dmin.to(torch.float32).repeat_interleave(SUB_BLOCKS, dim=1) * blocks.sub_mins.to(torch.float32)
         quants = blocks.quants.to(torch.float32).view(out, -1, SUB_BLOCK)  # [out, in/32, 32]
         return (sub_scale[:, :, None] * quants - sub_min[:, :, None]).view(out, self.in_features)

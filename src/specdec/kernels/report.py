@@ -18,8 +18,10 @@ from specdec.kernels import ops
 FAST_PATHS = ("avx2", "avx512", "amx")
 # python -m specdec.bench.isa_bench --isas scalar,avx2,avx512 --rounds 1 --max-tokens 32 --threads 2 (AMD EPYC Zen 4,
 # 2026-12-02): decode 11.8 / 68.5 / 64.8 tok/s, prefill 15 / 657 / 1540 tok/s, T(8)/T(1) 6.13 / 2.34 / 1.37
-SCALAR_COST = ("about 6x slower decoding and 40x slower prefill than the avx2 path (Gemma-3-270M, 2 threads: 12 against "
-               "68 tok/s), and speculation rarely pays there: 8 verified rows cost 6 decoded ones")
+SCALAR_COST = (
+    "about 6x slower decoding and 40x slower prefill than the avx2 path (Gemma-3-270M, 2 threads: 12 against "
+    "68 tok/s), and speculation rarely pays there: 8 verified rows cost 6 decoded ones"
+)
 TORCH_COST = ("slower decoding than the compiled kernels (a dequantized copy of every weight, no int8 arithmetic), "
               "and the torch fallback is not row invariant: speculative greedy output may differ from plain decoding")
 FP32_COST = ("torch's matmul is not row invariant: speculative greedy output may differ from plain decoding "
@@ -69,7 +71,9 @@ def describe_weights(weight_format: str, linear_bytes: dict[str, int] | None = N
     if len(linear_bytes) == 1:
         only = next(iter(linear_bytes))
         return labels.get(only, only)
-    parts = " + ".join(f"{labels.get(name, name)} {nbytes / 1e6:.0f} MB" for name, nbytes in sorted(linear_bytes.items()))
+    parts = " + ".join(
+        f"{labels.get(name, name)} {nbytes / 1e6:.0f} MB" for name, nbytes in sorted(linear_bytes.items())
+    )
     return f"{weight_format}: {parts}"
 
 

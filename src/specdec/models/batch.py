@@ -95,7 +95,9 @@ class ForwardBatch:
         return list(logits.split(list(self.row_counts) if self.all_logits else 1))
 
 
-def _rows(start: int, count: int, parents: Sequence[int] | None) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+def _rows(
+    start: int, count: int, parents: Sequence[int] | None
+) -> tuple[list[int], list[int], list[int], list[list[int]]]:
     """One sequence's rows: RoPE positions, cache positions, prefix ends and tree keys (see ForwardBatch)."""
     cache_positions = [start + offset for offset in range(count)]
     if parents is None:

@@ -131,8 +131,9 @@ class Linear:
             return Linear(dense=None, quantized=None, bias=bias, q4=self.q4.rows(row_ids))
         if self.quantized is not None:
             weight = self.quantized
-            rows = QuantizedWeight.from_int8(weight.int8(row_ids), weight.scale.index_select(0, row_ids.to(weight.scale.device)),
-                                             weight.layout)
+            rows = QuantizedWeight.from_int8(
+                weight.int8(row_ids), weight.scale.index_select(0, row_ids.to(weight.scale.device)), weight.layout
+            )
             return Linear(dense=None, quantized=rows, bias=bias)
         return Linear(dense=self.dense[row_ids].contiguous(), quantized=None, bias=bias)
 

@@ -118,7 +118,17 @@ class Transformer:
 
     def _missing_tensors(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         names = ["embed_tokens", "norm"]
-        per_layer = ["attn_norm", "q_proj", "k_proj", "v_proj", "o_proj", "ffn_norm", "gate_proj", "up_proj", "down_proj"]
+        per_layer = [
+            "attn_norm",
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "ffn_norm",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
         if self.config.qkv_bias:
             per_layer += ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
         if self.config.qk_norm:
@@ -217,8 +227,9 @@ class Transformer:
             out_rows = None  # every row is wanted (decode, verification)
         for index, layer in enumerate(self.layers):
             rows = out_rows if index == last else None
-            attn_out = self._attention(index, layer, hidden, batch, cache, slots32, ranges[self.config.layer_type(index)],
-                                       max_position, rows)
+            attn_out = self._attention(
+                index, layer, hidden, batch, cache, slots32, ranges[self.config.layer_type(index)], max_position, rows
+            )
             hidden = (hidden if rows is None else hidden[rows]) + attn_out
             if hidden.shape[0]:
                 hidden = hidden + self._mlp(layer, hidden)

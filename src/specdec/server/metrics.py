@@ -1,7 +1,7 @@
 """Server metrics in the Prometheus text format (0.0.4), names following vLLM's (`vllm:` -> `specdec:`).
 
 Counters (monotonic):
-  specdec:spec_decode_num_drafts_total                     verify steps that checked a draft (SpecDecodeMetrics.verify_steps)
+  specdec:spec_decode_num_drafts_total                     verify steps that checked a draft (.verify_steps)
   specdec:spec_decode_num_draft_tokens_total               draft tokens proposed
   specdec:spec_decode_num_accepted_tokens_total            draft tokens accepted (recovered/bonus tokens not counted)
   specdec:spec_decode_num_accepted_tokens_per_pos_total{position=i}   steps whose draft token i was accepted
@@ -174,8 +174,10 @@ def _gauge(name: str, help_text: str, value: float) -> list[str]:
 def _labels(labels: tuple[tuple[str, str], ...]) -> str:
     if not labels:
         return ""
-    escaped = (f'{key}="{value.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34)).replace(chr(10), chr(92) + "n")}"'
-               for key, value in labels)
+    escaped = (
+        f'{key}="{_escape_label(value)}"'
+        for key, value in labels
+    )
     return "{" + ",".join(escaped) + "}"
 
 
@@ -192,3 +194,8 @@ def resident_memory_bytes() -> int | None:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _escape_label(value: str) -> str:
+    """A label value in the text format: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

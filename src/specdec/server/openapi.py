@@ -77,7 +77,9 @@ def _request_schema(model_cls, model_name: str, components: dict[str, Any]) -> d
     schema = model_cls.model_json_schema(ref_template="#/components/schemas/{model}")
     components.update(schema.pop("$defs", {}))
     model = {"type": "string", "enum": [model_name], "description": "the served model id"}
-    schema["properties"]["model"] = model if "model" in schema.get("required", []) else {"anyOf": [model, {"type": "null"}]}
+    schema["properties"]["model"] = (
+        model if "model" in schema.get("required", []) else {"anyOf": [model, {"type": "null"}]}
+    )
     components[model_cls.__name__] = schema
     return {"$ref": f"#/components/schemas/{model_cls.__name__}"}
 

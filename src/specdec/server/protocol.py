@@ -305,8 +305,11 @@ def parse_request(raw: bytes, model_cls: type[BaseModel]) -> Any:
     except ValidationError as error:
         first = error.errors()[0]
         param = _param_path(data, first["loc"], first["type"] == "missing")
-        raise bad_request(f"invalid value for {param}: {first['msg']}", param=param,
-                          code="missing_required_parameter" if first["type"] == "missing" else "invalid_value") from None
+        raise bad_request(
+            f"invalid value for {param}: {first['msg']}",
+            param=param,
+            code="missing_required_parameter" if first["type"] == "missing" else "invalid_value",
+        ) from None
 
 
 def check_fields(data: dict[str, Any], model_cls: type[BaseModel]) -> None:
@@ -324,7 +327,13 @@ def _param_path(data: Any, loc: tuple, missing: bool) -> str | None:
     """The error location as the client wrote it ('messages.0.role'), without pydantic's union-member tags."""
     parts, current = [], data
     for part in loc:
-        if isinstance(current, dict) and part in current or isinstance(current, list) and isinstance(part, int) and 0 <= part < len(current):
+        if (
+            isinstance(current, dict)
+            and part in current
+            or isinstance(current, list)
+            and isinstance(part, int)
+            and 0 <= part < len(current)
+        ):
             parts.append(str(part))
             current = current[part]
     if missing and loc and (not parts or parts[-1] != str(loc[-1])):
@@ -340,7 +349,10 @@ def sampling_params(request: _CommonRequest, max_tokens: int, num_logprobs: int 
     logit_bias = request.logit_bias_pairs()
     stop_token_ids = tuple(request.stop_token_ids or ())
     if vocab_size is not None:
-        for param, ids in (("logit_bias", [token_id for token_id, _ in logit_bias]), ("stop_token_ids", stop_token_ids)):
+        for param, ids in (
+            ("logit_bias", [token_id for token_id, _ in logit_bias]),
+            ("stop_token_ids", stop_token_ids),
+        ):
             bad = [token_id for token_id in ids if token_id >= vocab_size]
             if bad:
                 raise bad_request(f"{param} names token ids out of range [0, {vocab_size}): {bad[:5]}", param)

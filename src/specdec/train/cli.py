@@ -18,11 +18,17 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="head file (.safetensors; a .json config, .png loss curve and "
                         ".ckpt checkpoint go beside it); default heads/MODEL-METHOD.safetensors")
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps in total (a rerun resumes)")
-    parser.add_argument("--time-limit-min", type=float, default=None, help="stop this run's training after this many minutes")
+    parser.add_argument(
+        "--time-limit-min", type=float, default=None, help="stop this run's training after this many minutes"
+    )
     parser.add_argument("--batch-tokens", type=int, default=2048, help="positions per optimizer step")
     parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--draft-vocab", type=int, default=8192, help="lm_head rows the head drafts over (most frequent tokens)")
-    parser.add_argument("--intermediate-size", type=int, default=None, help="EAGLE layer MLP width (default min(2 x hidden, target's))")
+    parser.add_argument(
+        "--draft-vocab", type=int, default=8192, help="lm_head rows the head drafts over (most frequent tokens)"
+    )
+    parser.add_argument(
+        "--intermediate-size", type=int, default=None, help="EAGLE layer MLP width (default min(2 x hidden, target's))"
+    )
     parser.add_argument("--medusa-heads", type=int, default=4)
     parser.add_argument("--unroll-steps", type=int, default=3,
                         help="EAGLE: draft steps trained per position on the head's own predictions (training-time "
@@ -32,16 +38,22 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--feature-weight", type=float, default=1.0, help="EAGLE: weight of the smooth-L1 state loss")
     parser.add_argument("--token-weight", type=float, default=0.1,
                         help="EAGLE: weight of the KL loss on the draft distribution (EAGLE-1: 0.1)")
-    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
-                        help="training arithmetic: bf16 autocast (fp32 weights and optimizer) or fp32; auto: bf16 where "
-                        "the device runs it fast (AVX512-BF16/AMX CPUs, CUDA with bf16)")
+    parser.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "fp32", "bf16"],
+        help="training arithmetic: bf16 autocast (fp32 weights and optimizer) or fp32; auto: bf16 where "
+        "the device runs it fast (AVX512-BF16/AMX CPUs, CUDA with bf16)",
+    )
     parser.add_argument("--eval-prompts", type=int, default=0,
                         help="with --holdout-every: continue this many held-out prompts too and report the head's "
                         "greedy chain acceptance on them after training (their features are cached beside the others)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="greedy continuation length per prompt")
     parser.add_argument("--samples", type=int, default=1,
                         help="continuations per training prompt: the greedy one, then SAMPLES - 1 sampled ones")
-    parser.add_argument("--sample-temperature", type=float, default=0.8, help="temperature of the sampled continuations")
+    parser.add_argument(
+        "--sample-temperature", type=float, default=0.8, help="temperature of the sampled continuations"
+    )
     parser.add_argument("--max-len", type=int, default=1024, help="longest training sequence (prompt + continuation)")
     parser.add_argument("--max-prompts", type=int, default=None, help="use N prompts, evenly spaced over the files")
     parser.add_argument("--holdout-every", type=int, default=0, help="leave out every N-th question of each file")
@@ -82,27 +94,49 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     sequences = _cached_sequences(target, tokenizer, prompts, features, spec, "target continuations")
     data_s = time.perf_counter() - started
     num_tokens = sum(len(s.token_ids) for s in sequences)
-    print(f"[data: {len(sequences)} sequences, {num_tokens} tokens in {features} ({data_s:.0f} s this run)]", file=sys.stderr)
+    print(
+        f"[data: {len(sequences)} sequences, {num_tokens} tokens in {features} ({data_s:.0f} s this run)]",
+        file=sys.stderr,
+    )
     instructed = _self_instruct_sequences(args, target, tokenizer, prompt_files, features)
     sequences = sequences + instructed
     held_out = _held_out_sequences(args, target, tokenizer, prompt_files, features)
     trainer, finished = _train(args, target, sequences, out)
     history = trainer.state.history
     tail = history[-20:]
-    training = {"prompt_files": list(prompt_files), "sequences": len(sequences),
-                "tokens": sum(len(s.token_ids) for s in sequences),
-                "continuation_tokens": sum(len(s.token_ids) - s.prompt_length for s in sequences),
-                "samples": args.samples, "sample_temperature": args.sample_temperature,
-                "steps": trainer.state.step, "train_seconds": round(trainer.state.train_seconds, 1),
-                "batch_tokens": args.batch_tokens, "lr": args.lr, "holdout_every": args.holdout_every,
-                "max_new_tokens": args.max_new_tokens, "unroll_steps": args.unroll_steps, "device": str(target.device),
-                "loss_positions": args.loss_positions, "feature_weight": args.feature_weight,
-                "token_weight": args.token_weight, "precision": trainer.settings.precision,
-                "final_loss": sum(r.loss for r in tail) / len(tail), "final_accuracy": sum(r.accuracy for r in tail) / len(tail),
-                "first_loss": history[0].loss, "init_from": args.init_from,
-                "self_instruct": {"questions": len(instructed), "tokens": sum(len(s.token_ids) for s in instructed),
-                                  "temperature": args.self_instruct_temperature, "top_p": args.self_instruct_top_p,
-                                  "max_tokens": args.self_instruct_max_tokens} if instructed else None}
+    training = {
+        "prompt_files": list(prompt_files),
+        "sequences": len(sequences),
+        "tokens": sum(len(s.token_ids) for s in sequences),
+        "continuation_tokens": sum(len(s.token_ids) - s.prompt_length for s in sequences),
+        "samples": args.samples,
+        "sample_temperature": args.sample_temperature,
+        "steps": trainer.state.step,
+        "train_seconds": round(trainer.state.train_seconds, 1),
+        "batch_tokens": args.batch_tokens,
+        "lr": args.lr,
+        "holdout_every": args.holdout_every,
+        "max_new_tokens": args.max_new_tokens,
+        "unroll_steps": args.unroll_steps,
+        "device": str(target.device),
+        "loss_positions": args.loss_positions,
+        "feature_weight": args.feature_weight,
+        "token_weight": args.token_weight,
+        "precision": trainer.settings.precision,
+        "final_loss": sum(r.loss for r in tail) / len(tail),
+        "final_accuracy": sum(r.accuracy for r in tail) / len(tail),
+        "first_loss": history[0].loss,
+        "init_from": args.init_from,
+        "self_instruct": {
+            "questions": len(instructed),
+            "tokens": sum(len(s.token_ids) for s in instructed),
+            "temperature": args.self_instruct_temperature,
+            "top_p": args.self_instruct_top_p,
+            "max_tokens": args.self_instruct_max_tokens,
+        }
+        if instructed
+        else None,
+    }
     if held_out:
         training["held_out"] = _evaluate(trainer, held_out, max(args.unroll_steps, 5 if args.method == "eagle" else 1))
     save_head(out, trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, training)
@@ -123,12 +157,16 @@ def _model_label(model: str) -> str:
 def _check_arguments(args) -> None:
     """Settings that cannot work, refused before any model is loaded."""
     if args.samples < 1 or args.sample_temperature <= 0:
-        raise ValueError(f"--samples must be >= 1 and --sample-temperature > 0 (got {args.samples}, {args.sample_temperature})")
+        raise ValueError(
+            f"--samples must be >= 1 and --sample-temperature > 0 (got {args.samples}, {args.sample_temperature})"
+        )
     if args.self_instruct < 0 or args.self_instruct_max_tokens < 1 or args.self_instruct_temperature <= 0 \
             or not 0 < args.self_instruct_top_p <= 1:
-        raise ValueError("--self-instruct must be >= 0, --self-instruct-max-tokens >= 1, --self-instruct-temperature > 0 "
-                         f"and --self-instruct-top-p in (0, 1] (got {args.self_instruct}, {args.self_instruct_max_tokens}, "
-                         f"{args.self_instruct_temperature}, {args.self_instruct_top_p})")
+        raise ValueError(
+            "--self-instruct must be >= 0, --self-instruct-max-tokens >= 1, --self-instruct-temperature > 0 "
+            f"and --self-instruct-top-p in (0, 1] (got {args.self_instruct}, {args.self_instruct_max_tokens}, "
+            f"{args.self_instruct_temperature}, {args.self_instruct_top_p})"
+        )
     if args.init_from is not None and not Path(args.init_from).is_file():
         raise FileNotFoundError(f"--init-from: no such head file: {args.init_from}")
     if args.eval_prompts > 0 and args.holdout_every <= 0:
@@ -256,9 +294,17 @@ def head_config(args, target):
     from specdec.heads.config import HeadConfig, target_fingerprint
 
     c = target.config
-    common = dict(method=args.method, target_name=str(args.model), target_fingerprint=target_fingerprint(target),
-                  hidden_size=c.hidden_size, vocab_size=c.vocab_size, draft_vocab_size=min(args.draft_vocab, c.vocab_size),
-                  embedding_scale=c.embedding_scale, final_logit_softcap=c.final_logit_softcap, rms_norm_eps=c.rms_norm_eps)
+    common = dict(
+        method=args.method,
+        target_name=str(args.model),
+        target_fingerprint=target_fingerprint(target),
+        hidden_size=c.hidden_size,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=min(args.draft_vocab, c.vocab_size),
+        embedding_scale=c.embedding_scale,
+        final_logit_softcap=c.final_logit_softcap,
+        rms_norm_eps=c.rms_norm_eps,
+    )
     if args.method == "medusa":
         return HeadConfig(**common, num_medusa_heads=args.medusa_heads)
     intermediate = args.intermediate_size or min(2 * c.hidden_size, c.intermediate_size)

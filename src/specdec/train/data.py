@@ -156,7 +156,10 @@ def _check_or_write_spec(directory: Path, spec: FeatureSpec) -> None:
     wanted = json.loads(json.dumps(asdict(spec)))
     if meta.is_file():
         defaults = {f.name: f.default for f in dataclasses.fields(FeatureSpec) if f.default is not dataclasses.MISSING}
-        found = {**defaults, **json.loads(meta.read_text())}  # a directory written before a field existed had its default
+        found = {
+            **defaults,
+            **json.loads(meta.read_text()),
+        }  # a directory written before a field existed had its default
         if found != wanted:
             differing = sorted(key for key in wanted if found.get(key) != wanted[key])
             raise ValueError(f"feature directory {directory} was made for other settings ({', '.join(differing)} "
@@ -183,7 +186,8 @@ def load_sequences(shards: list[Path]) -> list[TrainingSequence]:
         tensors = load_file(str(path))
         lengths = tensors["lengths"].tolist()
         prompt_lengths = tensors["prompt_lengths"].tolist() if "prompt_lengths" in tensors else [0] * len(lengths)
-        for token_ids, hidden, prompt_length in zip(tensors["token_ids"].split(lengths), tensors["hidden"].split(lengths),
-                                                    prompt_lengths):
+        for token_ids, hidden, prompt_length in zip(
+            tensors["token_ids"].split(lengths), tensors["hidden"].split(lengths), prompt_lengths
+        ):
             sequences.append(TrainingSequence(token_ids, hidden, prompt_length))
     return sequences

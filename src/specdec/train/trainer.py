@@ -92,7 +92,9 @@ def draft_vocabulary(sequences: list[TrainingSequence], vocab_size: int, size: i
     return torch.argsort(rank, descending=True)[:size].sort().values
 
 
-def sample_batch(sequences: list[TrainingSequence], batch_tokens: int, generator: torch.Generator) -> list[TrainingSequence]:
+def sample_batch(
+    sequences: list[TrainingSequence], batch_tokens: int, generator: torch.Generator
+) -> list[TrainingSequence]:
     order = torch.randperm(len(sequences), generator=generator).tolist()
     batch, total = [], 0
     for index in order:
@@ -237,8 +239,15 @@ def draft_correctness(head: torch.nn.Module, parts: TargetParts, batch: list[Tra
         states = [F.pad(step[:, j:], (0, 0, 0, j + 1)) for j, step in enumerate(steps)]  # each [B, T, hidden]
     else:
         states = list(head(hidden).unbind(0))[:depth]  # each [B, T, hidden]
-    correct = torch.stack([parts.draft_token_ids[parts.draft_logits(state).argmax(-1)] == tokens[:, 1 + j : 1 + j + length]
-                           for j, state in enumerate(states, start=1)]) & valid_start  # [depth, B, T]
+    correct = (
+        torch.stack(
+            [
+                parts.draft_token_ids[parts.draft_logits(state).argmax(-1)] == tokens[:, 1 + j : 1 + j + length]
+                for j, state in enumerate(states, start=1)
+            ]
+        )
+        & valid_start
+    )  # [depth, B, T]
     return correct, valid_start
 
 
@@ -286,8 +295,12 @@ class Trainer:
 
     def _resume(self, path: Path) -> None:
         saved = torch.load(path, weights_only=False)
-        if saved["config"] != asdict(self.config) or not torch.equal(saved["draft_token_ids"], self.parts.draft_token_ids.cpu()):
-            raise ValueError(f"checkpoint {path} belongs to another head configuration or data; delete it to start over")
+        if saved["config"] != asdict(self.config) or not torch.equal(
+            saved["draft_token_ids"], self.parts.draft_token_ids.cpu()
+        ):
+            raise ValueError(
+                f"checkpoint {path} belongs to another head configuration or data; delete it to start over"
+            )
         self.head.load_state_dict(saved["head"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.state = TrainState(saved["step"], saved["train_seconds"], [StepLoss(**row) for row in saved["history"]])
@@ -356,8 +369,10 @@ def plot_losses(history: list[StepLoss], path: Path, title: str) -> Path:
     steps = [row.step for row in history]
     loss_axis.plot(steps, [row.loss for row in history], color="tab:blue", alpha=0.35, label="loss (per step)")
     window = max(1, len(history) // 20)
-    smooth = [sum(r.loss for r in history[max(0, i - window + 1) : i + 1]) / len(history[max(0, i - window + 1) : i + 1])
-              for i in range(len(history))]
+    smooth = [
+        sum(r.loss for r in history[max(0, i - window + 1) : i + 1]) / len(history[max(0, i - window + 1) : i + 1])
+        for i in range(len(history))
+    ]
     loss_axis.plot(steps, smooth, color="tab:blue", label=f"loss (mean of {window})")
     loss_axis.set_xlabel("step")
     loss_axis.set_ylabel("loss")

@@ -10,7 +10,8 @@ also rolls tokens back natively and validates a draft prefix in one call (`valid
 
 Under speculation (engine/engine.py):
   - a draft is cut at its first token the grammar forbids, and the tokens the grammar forces after its valid prefix
-    (`forced_after`, e.g. the keys of a JSON schema) fill the cut part as free point-mass drafts (`GrammarMatcher.valid_prefix`); a draft with sampled
+    (`forced_after`, e.g. the keys of a JSON schema) fill the cut part as free point-mass drafts
+    (`GrammarMatcher.valid_prefix`); a draft with sampled
     draft probabilities under rejection acceptance keeps that token as its last: the target, masked, gives it
     probability 0, so rejection sampling rejects it and draws from the residual max(0, q - p), which keeps the
     output's distribution the masked target's (cutting it instead would not);

@@ -50,7 +50,8 @@ def verify_greedy_tree(tree: DraftTree, target_logits: torch.Tensor) -> TreeVeri
     """Walks the tree along the target's argmax. target_logits [nodes + 1, vocab]."""
     if target_logits.dim() != 2 or target_logits.shape[0] != tree.num_nodes + 1:
         raise ValueError(
-            f"target_logits must be [nodes + 1, vocab] = [{tree.num_nodes + 1}, vocab], got {tuple(target_logits.shape)}"
+            f"target_logits must be [nodes + 1, vocab] = [{tree.num_nodes + 1}, vocab], "
+            f"got {tuple(target_logits.shape)}"
         )
     target_token_ids = greedy_tokens(target_logits).tolist()  # [nodes + 1]
     path = tree.accepted_path(lambda node, depth: target_token_ids[node + 1])

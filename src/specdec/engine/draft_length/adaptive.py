@@ -180,7 +180,8 @@ class AcceptanceProbCalibration:
 
     Decayed sums of the acceptance probabilities of the verified nodes that carry one and of the nodes accepted
     among them; `scale` (accepted nodes per unit of acceptance probability, starting from a prior of `prior_nodes`
-    nodes taken at face value) multiplies the probabilities before the cost model prices the nodes. Measured here: the Qwen2.5-Coder EAGLE head's path probabilities are
+    nodes taken at face value) multiplies the probabilities before the cost model prices the nodes. Measured here: the
+    Qwen2.5-Coder EAGLE head's path probabilities are
     about 1.6x its acceptance (docs/draft-length.md, trees), which would make trees look worth more rows
     than they are.
     """
@@ -327,7 +328,9 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
                 continue
             without = lengths[:i] + [0] + lengths[i + 1 :]
             tokens_without = tokens - gains[i] + 1
-            saving_per_step = tokens * self.cost_model.step_seconds(without, batch_size, contexts) / tokens_without - seconds
+            saving_per_step = (
+                tokens * self.cost_model.step_seconds(without, batch_size, contexts) / tokens_without - seconds
+            )
             remaining = min(seq.remaining_tokens, seq.max_model_len - len(seq.all_token_ids))
             if saving_per_step * remaining / gains[i] < catch_up * per_token:
                 kept[i] = 0
@@ -404,7 +407,9 @@ def build_draft_policy(choice: str | DraftLengthPolicy, num_speculative_tokens: 
     if isinstance(choice, DraftLengthPolicy):
         return choice
     if choice not in DRAFT_POLICIES:
-        raise ValueError(f"unknown draft policy {choice!r}; known: {', '.join(DRAFT_POLICIES)} (or a DraftLengthPolicy)")
+        raise ValueError(
+            f"unknown draft policy {choice!r}; known: {', '.join(DRAFT_POLICIES)} (or a DraftLengthPolicy)"
+        )
     if num_speculative_tokens < 1:
         return None
     if choice == "fixed":
@@ -426,7 +431,9 @@ def _cached_profile(target, model_name: str | None, weight_format: str):
     return load_or_measure(target, key), key
 
 
-def _cached_cost_model(target, drafter, model_name: str | None, weight_format: str, max_verify_tokens: int) -> CostModel:
+def _cached_cost_model(
+    target, drafter, model_name: str | None, weight_format: str, max_verify_tokens: int
+) -> CostModel:
     """The adaptive policy's starting cost model for this target and drafter (see build_draft_policy)."""
     return _cost_model(_cached_profile(target, model_name, weight_format)[0], target, drafter, max_verify_tokens)
 

@@ -139,8 +139,13 @@ class RowSamples:
     max_rows: int = MAX_PROFILE_ROWS
 
     def __post_init__(self) -> None:
-        if any(not 1 <= n <= self.max_rows or v < 0 for n, v in self.values.items()) or self.values.keys() != self.counts.keys():
-            raise ValueError(f"RowSamples needs values >= 0 at row counts 1..{self.max_rows} with counts, got {self.values}")
+        if (
+            any(not 1 <= n <= self.max_rows or v < 0 for n, v in self.values.items())
+            or self.values.keys() != self.counts.keys()
+        ):
+            raise ValueError(
+                f"RowSamples needs values >= 0 at row counts 1..{self.max_rows} with counts, got {self.values}"
+            )
 
     def curve(self) -> tuple[float, ...]:
         """Values for n = 1..max_rows, never below what was measured at fewer rows (more rows never cost less):
@@ -184,8 +189,11 @@ class RowSamples:
 
     @classmethod
     def from_json(cls, payload: dict, max_rows: int = MAX_PROFILE_ROWS) -> RowSamples:
-        return cls({int(n): float(v) for n, (v, _) in payload.items()}, {int(n): int(c) for n, (_, c) in payload.items()},
-                   max_rows)
+        return cls(
+            {int(n): float(v) for n, (v, _) in payload.items()},
+            {int(n): int(c) for n, (_, c) in payload.items()},
+            max_rows,
+        )
 
 
 def folded(current: float, count: int, value: float, weight_floor: float = 1 / 32, max_jump: float = 3.0) -> float:
@@ -303,7 +311,9 @@ class CostModel:
         """The knee: most token rows one step verifies."""
         return self.forward.knee(self.knee_ratio)
 
-    def target_seconds(self, rows: int, draft_lengths: SequenceOf[int], contexts: SequenceOf[int] | None = None) -> float:
+    def target_seconds(
+        self, rows: int, draft_lengths: SequenceOf[int], contexts: SequenceOf[int] | None = None
+    ) -> float:
         """The target forward of a step: T(rows), plus each sequence's context cost for its k + 1 rows when
         contexts (cached tokens per sequence of draft_lengths) are given."""
         seconds = self.forward(rows)
@@ -311,9 +321,13 @@ class CostModel:
             seconds += sum(self.context(k + 1, context) for k, context in zip(draft_lengths, contexts))
         return seconds
 
-    def step_seconds(self, draft_lengths: SequenceOf[int], batch_size: int, contexts: SequenceOf[int] | None = None) -> float:
+    def step_seconds(
+        self, draft_lengths: SequenceOf[int], batch_size: int, contexts: SequenceOf[int] | None = None
+    ) -> float:
         """batch_size counts every sequence in the step (speculating or not); contexts: see target_seconds."""
-        return self.target_seconds(batch_size + sum(draft_lengths), draft_lengths, contexts) + self.drafter(draft_lengths)
+        return self.target_seconds(batch_size + sum(draft_lengths), draft_lengths, contexts) + self.drafter(
+            draft_lengths
+        )
 
     def expected_tokens_per_s(self, k: int, alpha_per_position: float | SequenceOf[float], batch: int = 1) -> float:
         """B sequences all drafting k with the same α: B · E(k) / (T(B · (k + 1)) + draft_cost(k, B))."""
@@ -365,7 +379,8 @@ class CostModel:
 
         tokens: the step's expected tokens without extra nodes (the whole batch's). A node's acceptance probability
         (the drafter's estimate that the target accepts it) is the tokens it adds on average; a sequence's are in
-        decreasing order (a node is no likelier than its parent). Nodes are added best first, over all sequences, while batch_size + rows stays
+        decreasing order (a node is no likelier than its parent). Nodes are added best first, over all sequences, while
+        batch_size + rows stays
         within the knee (and max_rows); the count with the best expected tokens per second is kept (ties: fewer).
         The drafting is done, but its cost counts in the step's seconds as in `allocate`.
         """
@@ -374,11 +389,15 @@ class CostModel:
 
         def speed() -> float:
             nodes = [base + e for base, e in zip(verified_nodes, extra)]
-            return tokens / (self.target_seconds(batch_size + sum(nodes), nodes, contexts) + self.drafter(draft_lengths))
+            return tokens / (
+                self.target_seconds(batch_size + sum(nodes), nodes, contexts) + self.drafter(draft_lengths)
+            )
 
         best, best_speed = list(extra), speed()
-        offers = sorted(((prob, b, j) for b, probs in enumerate(extra_acceptance_probs) for j, prob in enumerate(probs)),
-                        key=lambda offer: (-offer[0], offer[1], offer[2]))
+        offers = sorted(
+            ((prob, b, j) for b, probs in enumerate(extra_acceptance_probs) for j, prob in enumerate(probs)),
+            key=lambda offer: (-offer[0], offer[1], offer[2]),
+        )
         for prob, b, _ in offers:
             if batch_size + sum(verified_nodes) + sum(extra) >= row_limit:
                 break

@@ -62,11 +62,19 @@ def _past_knee(n: int, values: dict[int, float]) -> bool:
     return 1 in values and any(m < n and value > PAST_KNEE_RATIO * values[1] for m, value in values.items())
 
 
-def profile_costs(time_forward: Callable[[int, int], float], budget_s: float = PROFILE_BUDGET_S,
-                  clock: Callable[[], float] = time.perf_counter, base_context: int = 128,
-                  long_context: int | None = 1024, row_counts: SequenceOf[int] = PROFILE_ROW_COUNTS,
-                  context_row_counts: SequenceOf[int] = CONTEXT_PROFILE_ROWS, repeats: int = 5,
-                  context_repeats: int = 3, context_share: float = CONTEXT_SHARE, known: CostSamples | None = None) -> ProfileRun:
+def profile_costs(
+    time_forward: Callable[[int, int], float],
+    budget_s: float = PROFILE_BUDGET_S,
+    clock: Callable[[], float] = time.perf_counter,
+    base_context: int = 128,
+    long_context: int | None = 1024,
+    row_counts: SequenceOf[int] = PROFILE_ROW_COUNTS,
+    context_row_counts: SequenceOf[int] = CONTEXT_PROFILE_ROWS,
+    repeats: int = 5,
+    context_repeats: int = 3,
+    context_share: float = CONTEXT_SHARE,
+    known: CostSamples | None = None,
+) -> ProfileRun:
     """T(n) at a few row counts and what a long context adds, within a wall-clock budget.
 
     time_forward(rows, context): seconds of one target forward of `rows` new rows of one sequence after `context`
