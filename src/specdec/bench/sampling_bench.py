@@ -4,19 +4,22 @@
         [--prompts 6] [--max-tokens 64] [--out bench_results/sampling-bench]
 
 One target (default Qwen2.5-Coder-1.5B-Instruct) is loaded once and shared by every LLM: plain decoding, and per
-drafter one LLM with acceptance "exact" and one with "rejection" (the draft model, default Qwen2.5-Coder-0.5B-Instruct,
-is loaded by each of its two LLMs); the LLMs are built afresh for every temperature. Every speculative LLM drafts a
-fixed k tokens per step (draft policy "fixed",
-chains), so acceptance figures do not depend on the machine's speed. The prompts are the first turns of the
-datasets' first questions, taken in turn from each file, in the model's chat template; prompt i is sampled with
-seed --seed + i at every temperature (top-k and top-p off unless given), by plain decoding and by every
-speculative LLM, interleaved prompt by prompt with the order rotating, after one warm-up generation per LLM.
+drafter one LLM with acceptance "exact" and one with "rejection" (the draft model, default
+Qwen2.5-Coder-0.5B-Instruct, is loaded by each of its two LLMs); the LLMs are built afresh for every temperature.
+Every speculative LLM drafts a fixed k tokens per step (draft policy "fixed", chains), so acceptance figures do not
+depend on the machine's speed. The prompts are the first turns of the datasets' first questions, taken in turn from
+each file, in the model's chat template; prompt i is sampled with seed --seed + i at every temperature (top-k and
+top-p off unless given), by plain decoding and by every speculative LLM, interleaved prompt by prompt with the order
+rotating, after one warm-up generation per LLM.
 
 Per (drafter, temperature, acceptance): acceptance rate (accepted / drafted), mean accepted length (1 + accepted /
 verify steps), output tokens per second (whole requests, prefill included), the speed-up over plain seeded sampling
 of the same prompts in the same run, and the fraction of outputs identical to plain seeded sampling's with the same
 seed. Exact acceptance must give 1.0 wherever the kernel report's bit_exact is true: the command then exits with 1
 otherwise. Writes sampling_bench.json (rows, per-generation records, the CPU, the kernel report) to --out.
+
+Run it on an otherwise idle machine: with more runnable threads than cores, the kernels' threads wait on each other
+and tokens per second fall several-fold (the acceptance figures and the identical outputs do not change).
 """
 from __future__ import annotations
 
