@@ -51,7 +51,7 @@ def test_spec_info(playground_server):
     assert info == {"model": MODEL, "max_model_len": 128, "speculative": True, "method": "ngram",
                     "num_speculative_tokens": 4, "per_request_k": False}
     assert set(kernels) == {"kernel_isa", "supported_kernel_isas", "kernel_weights", "kernel_threads", "kernel_build",
-                            "kernel_warning"}  # tests/server/test_server_kernel_info.py checks their values
+                            "kernel_warning", "bit_exact"}  # tests/server/test_server_kernel_info.py checks their values
 
 
 @pytest.mark.parametrize(
