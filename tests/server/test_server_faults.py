@@ -85,7 +85,10 @@ def test_fault_fails_every_waiting_client_and_health_tells(make_tiny_model, tiny
                 fault.armed.set()
             futures = [pool.submit(request_outcome, server.url, "/v1/completions", body) for body in bodies]
             if phase != "add_request":
-                wait_for(lambda: server.status()["num_requests_running"] == NUM_SLOTS)
+                # all four reached the engine (two running, two waiting) before the fault: a request that came
+                # later would rightly get 503 engine_failed instead
+                wait_for(lambda: (lambda s: (s["num_requests_running"], s["num_requests_waiting"]))(server.status())
+                         == (NUM_SLOTS, len(bodies) - NUM_SLOTS))
                 fault.armed.set()
             armed_at = time.monotonic()
             outcomes = [future.result(timeout=60) for future in futures]
