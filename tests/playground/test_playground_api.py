@@ -47,11 +47,13 @@ def test_page_and_static_files_are_served(playground_server):
 
 def test_spec_info(playground_server):
     info = httpx.get(playground_server.url + "/v1/specdec/info", timeout=10).json()
-    kernels = {key: info.pop(key) for key in list(info) if key.startswith(("kernel_", "supported_kernel_", "bit_exact"))}
+    kernel_keys = ("kernel_", "supported_kernel_", "bit_exact")
+    kernels = {key: info.pop(key) for key in list(info) if key.startswith(kernel_keys)}
     assert info == {"model": MODEL, "max_model_len": 128, "speculative": True, "method": "ngram",
                     "num_speculative_tokens": 4, "per_request_k": False}
+    # tests/server/test_server_kernel_info.py checks their values
     assert set(kernels) == {"kernel_isa", "supported_kernel_isas", "kernel_weights", "kernel_threads", "kernel_build",
-                            "kernel_warning", "bit_exact"}  # tests/server/test_server_kernel_info.py checks their values
+                            "kernel_warning", "bit_exact"}
 
 
 @pytest.mark.parametrize(
