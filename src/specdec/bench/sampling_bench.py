@@ -13,10 +13,11 @@ top-p off unless given), by plain decoding and by every speculative LLM, interle
 rotating, after one warm-up generation per LLM.
 
 Per (drafter, temperature, acceptance): acceptance rate (accepted / drafted), mean accepted length (1 + accepted /
-verify steps), output tokens per second (whole requests, prefill included), the speed-up over plain seeded sampling
-of the same prompts in the same run, and the fraction of outputs identical to plain seeded sampling's with the same
-seed. Exact acceptance must give 1.0 wherever the kernel report's bit_exact is true: the command then exits with 1
-otherwise. Writes sampling_bench.json (rows, per-generation records, the CPU, the kernel report) to --out.
+verify steps), output tokens per second per request (prefill included; the median over the prompts), the speed-up
+over plain seeded sampling of the same prompts in the same run (the ratio of the medians), and the fraction of
+outputs identical to plain seeded sampling's with the same seed. Exact acceptance must give 1.0 wherever the kernel
+report's bit_exact is true: the command then exits with 1 otherwise. Writes sampling_bench.json (rows,
+per-generation records, the CPU, the kernel report) to --out.
 
 Run it on an otherwise idle machine: with more runnable threads than cores, the kernels' threads wait on each other
 and tokens per second fall several-fold (the acceptance figures and the identical outputs do not change).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -61,7 +63,7 @@ class Totals:
     """One case's sums over the prompts at one temperature."""
 
     tokens: int = 0
-    wall_s: float = 0.0
+    tokens_per_s: list[float] = field(default_factory=list)  # one per request
     drafted: int = 0
     accepted: int = 0
     verify_steps: int = 0
@@ -70,7 +72,7 @@ class Totals:
 
     def add(self, record: dict[str, Any]) -> None:
         self.tokens += record["new_tokens"]
-        self.wall_s += record["wall_s"]
+        self.tokens_per_s.append(record["new_tokens"] / record["wall_s"] if record["wall_s"] > 0 else 0.0)
         self.drafted += record["drafted_tokens"]
         self.accepted += record["accepted_tokens"]
         self.verify_steps += record["verify_steps"]
@@ -85,9 +87,9 @@ class Row:
     acceptance: str
     acceptance_rate: float | None  # accepted / drafted
     mean_accepted_length: float | None  # 1 + accepted / verify steps
-    tokens_per_s: float
-    plain_tokens_per_s: float
-    speedup: float  # tokens_per_s / plain_tokens_per_s, same prompts and seeds, same run
+    tokens_per_s: float  # median over the requests of output tokens / wall time (prefill included)
+    plain_tokens_per_s: float  # the same for plain seeded sampling of the same prompts and seeds, same run
+    speedup: float  # tokens_per_s / plain_tokens_per_s
     identical_fraction: float  # outputs equal to plain seeded sampling's with the same seed
     outputs: int
     tokens: int
@@ -239,7 +241,7 @@ def summarize(records: list[dict[str, Any]]) -> list[Row]:
         if acceptance is None:
             continue
         plain = totals[(PLAIN, temperature, None)]
-        speed, plain_speed = total.tokens / total.wall_s, plain.tokens / plain.wall_s
+        speed, plain_speed = statistics.median(total.tokens_per_s), statistics.median(plain.tokens_per_s)
         rows.append(Row(drafter, temperature, acceptance,
                         total.accepted / total.drafted if total.drafted else None,
                         1 + total.accepted / total.verify_steps if total.verify_steps else None,
