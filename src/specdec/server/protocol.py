@@ -217,11 +217,10 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_CommonRequest):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+class _ChatMessages:
+    """What the chat requests (chat completions, /tokenize with messages) do with their `messages`."""
+
+    messages: list[ChatMessage]
 
     def template_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text_content()} for m in self.messages]
@@ -231,6 +230,13 @@ class ChatCompletionRequest(_CommonRequest):
         total = sum(len(message["content"]) for message in self.template_messages())
         if total > limits.max_prompt_chars:
             raise prompt_too_long(total, limits, "messages")
+
+
+class ChatCompletionRequest(_ChatMessages, _CommonRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -253,21 +259,13 @@ class TokenizeCompletionRequest(_Strict):
             raise prompt_too_long(len(self.prompt), limits, "prompt")
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(_ChatMessages, _Strict):
     """POST /tokenize with messages (vLLM's shape): the chat template's rendering, encoded."""
 
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
-
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text_content()} for m in self.messages]
-
-    def check_prompt_length(self, limits: RequestLimits) -> None:
-        total = sum(len(message["content"]) for message in self.template_messages())
-        if total > limits.max_prompt_chars:
-            raise prompt_too_long(total, limits, "messages")
 
 
 class DetokenizeRequest(_Strict):
