@@ -1,6 +1,8 @@
 """Cost model: expected accepted length, the k that maximises tokens per second on synthetic timings, the
 batch-aware row budget (knee of T), profiling within a wall-clock budget and learning T(n) online (synthetic
 timings on a fake clock), and the JSON profile cache."""
+from pathlib import Path
+
 import pytest
 
 from specdec.engine.draft_length import costs, measure, profile_store
@@ -459,3 +461,62 @@ def test_a_profile_nothing_more_fits_in_is_not_continued(make_tiny_model, tmp_pa
     profile_store.save_profile(key, CostSamples(6.0, RowSamples({1: 1.0}, {1: 1})).profile())
     monkeypatch.setattr(profile_store, "measure_cost_profile", lambda *args, **kwargs: pytest.fail("measured again"))
     assert profile_store.load_or_measure(make_tiny_model("llama"), key).forward(2) == pytest.approx(12.0)
+
+
+def _foreign_load_readings(machine_busy_s: list[float], own_cpu_s: list[float], clock: list[float]):
+    """A ForeignLoad reading the given sequences: one value per read, then the last one again."""
+    def reader(values):
+        return lambda: values.pop(0) if len(values) > 1 else values[0]
+
+    return profile_store.ForeignLoad(machine_busy_s=reader(machine_busy_s), own_cpu_s=reader(own_cpu_s),
+                                     clock=reader(clock))
+
+
+def test_foreign_load_is_the_machines_cpu_time_less_our_own_over_the_wall_time():
+    # 10 s of wall time: the machine used 25 s of CPU, this process 19 s of it -> 0.6 cores of other processes
+    load = _foreign_load_readings([100.0, 125.0], [50.0, 69.0], [0.0, 10.0]).start()
+    assert load.cores() == pytest.approx(0.6) and load.too_busy()
+    quiet = _foreign_load_readings([100.0, 120.2], [50.0, 70.0], [0.0, 10.0]).start()
+    assert quiet.cores() == pytest.approx(0.02) and not quiet.too_busy()
+    unknown = _foreign_load_readings([None, None], [0.0, 1.0], [0.0, 1.0]).start()  # no /proc/stat
+    assert unknown.cores() is None and not unknown.too_busy()
+
+
+def test_proc_stat_reads_as_seconds_of_cpu_time(monkeypatch):
+    monkeypatch.undo()  # the real /proc/stat, which the autouse fixture hides from the other tests
+    if not Path("/proc/stat").exists():
+        pytest.skip("no /proc/stat on this system")
+    first = profile_store._machine_busy_s()
+    sum(i * i for i in range(200_000))  # some CPU time of our own
+    second = profile_store._machine_busy_s()
+    assert isinstance(first, float) and 0 < first <= second
+    load = profile_store.ForeignLoad().start()
+    assert load.cores() is None or load.cores() >= 0
+
+
+def test_a_profile_measured_on_a_busy_machine_serves_the_process_and_is_not_saved(make_tiny_model, tmp_path,
+                                                                                   monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    busy_cpu = iter(range(0, 10**9, 10**6))  # every read: another 10^6 s of the machine's CPU time
+    monkeypatch.setattr(profile_store, "_machine_busy_s", lambda: float(next(busy_cpu)))
+    key = ProfileKey("tiny@files:busy", "q8", 2, "Some CPU")
+    profile = profile_store.load_or_measure(make_tiny_model("llama"), key, budget_s=0.5)
+    assert profile.forward(1) > 0
+    assert "cores busy while profiling" in capsys.readouterr().err
+    assert profile_store.load_profile(key) is None
+
+
+def test_learned_samples_are_not_saved_from_a_busy_window(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    key = ProfileKey("tiny@files:abc", "q8", 2, "Some CPU")
+    machine_cpu = [0.0]
+    learner = ProfileLearner(measured_flat_to_four(), key, save_every=2, min_save_interval_s=0.0,
+                             foreign_load=profile_store.ForeignLoad(machine_busy_s=lambda: machine_cpu[0],
+                                                                    own_cpu_s=lambda: 0.0).start())
+    learner.observe(1, 0.011)
+    machine_cpu[0] += 1e6  # another process ran meanwhile
+    learner.observe(8, 0.012)
+    assert learner.save_if_due() is None and profile_store.load_profile(key) is None
+    learner.observe(1, 0.011)
+    learner.observe(8, 0.012)
+    assert learner.save_if_due() is not None  # a quiet window: saved

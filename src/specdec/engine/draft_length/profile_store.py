@@ -77,6 +77,61 @@ class ProfileKey:
         return f"{stem}-{self.weight_format}-{self.threads}t-{digest}.json"
 
 
+FOREIGN_LOAD_LIMIT_CORES = 0.25  # other processes' CPU use above which a measurement is not saved
+
+
+def _machine_busy_s() -> float | None:
+    """Seconds of CPU time all processes have used since boot (/proc/stat: every state but idle and iowait), or
+    None where there is no /proc/stat."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(value) for value in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+@dataclass
+class ForeignLoad:
+    """How many cores other processes kept busy since `start` (the machine's CPU time less this process's, over the
+    wall time). A cost measured while other processes ran describes the contention, not the machine: a policy that
+    learnt T(n) from such a profile stops drafting on an idle machine too. So a measurement with more than
+    FOREIGN_LOAD_LIMIT_CORES of foreign load is used by this process but not saved."""
+
+    machine_busy_s: Callable[[], float | None] | None = None  # None: read /proc/stat (`_machine_busy_s`)
+    own_cpu_s: Callable[[], float] = _own_cpu_s
+    clock: Callable[[], float] = time.monotonic
+    started: tuple[float | None, float, float] | None = None  # (machine busy s, own cpu s, clock) at start
+
+    def start(self) -> ForeignLoad:
+        self.started = (self._read_machine_busy_s(), self.own_cpu_s(), self.clock())
+        return self
+
+    def _read_machine_busy_s(self) -> float | None:
+        return (self.machine_busy_s or _machine_busy_s)()
+
+    def cores(self) -> float | None:
+        """Foreign cores since start (None: unknown — no /proc/stat, not started, or no time passed)."""
+        if self.started is None:
+            return None
+        busy_then, own_then, wall_then = self.started
+        busy_now, wall = self._read_machine_busy_s(), self.clock() - wall_then
+        if busy_then is None or busy_now is None or wall <= 0:
+            return None
+        return max(0.0, (busy_now - busy_then) - (self.own_cpu_s() - own_then)) / wall
+
+    def too_busy(self) -> bool:
+        cores = self.cores()
+        return cores is not None and cores > FOREIGN_LOAD_LIMIT_CORES
+
+
 def costs_dir() -> Path:
     """``$XDG_CACHE_HOME/specdec/costs`` (``~/.cache/specdec/costs`` when unset)."""
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -134,7 +189,7 @@ def load_or_measure(model, key: ProfileKey, budget_s: float = PROFILE_BUDGET_S) 
     what = "profiling the forward costs of" if known is None else "continuing the cost profile of"
     print(f"[{what} {name} (at most {budget_s:g} s; once per model, machine and kernel build, then refined from the "
           "timed steps) ...", end="", file=sys.stderr, flush=True)
-    started = time.perf_counter()
+    started, foreign = time.perf_counter(), ForeignLoad().start()
     try:
         run = measure_cost_profile(model, budget_s, known=known)
     except BaseException:
@@ -142,6 +197,10 @@ def load_or_measure(model, key: ProfileKey, budget_s: float = PROFILE_BUDGET_S) 
         raise
     print(f" {time.perf_counter() - started:.1f} s: {run.summary()}]", file=sys.stderr)
     profile = run.samples.profile()
+    if foreign.too_busy():
+        print(f"[other processes kept {foreign.cores():.2f} cores busy while profiling: the profile serves this "
+              "process and is not saved, so the next start measures again]", file=sys.stderr)
+        return profile
     try:
         save_profile(key, profile)
     except OSError:
@@ -185,6 +244,7 @@ class ProfileLearner:
     last_save: float | None = None
     recent_one_row_s: list[float] = field(default_factory=list)  # the last `recent` one-row steps' seconds
     steps_since_one_row: int | None = None  # None: no one-row step yet
+    foreign_load: ForeignLoad = field(default_factory=lambda: ForeignLoad().start())  # since the last save is due
 
     def observe(self, rows: int, target_s: float, context_s: float = 0.0) -> bool:
         """A target forward of `rows` rows took target_s seconds, context_s of which the context costs account for.
@@ -213,12 +273,17 @@ class ProfileLearner:
 
     def save_if_due(self) -> Path | None:
         """Writes the samples back under key when save_every measurements are unsaved (and the last save is at least
-        min_save_interval_s ago); an unwritable cache keeps them for this process."""
+        min_save_interval_s ago), unless other processes kept the machine busy since the last time a save was due
+        (`ForeignLoad`: the file keeps what quiet steps taught; the running mean forgets the busy steps as quiet ones
+        come); an unwritable cache keeps them for this process."""
         now = self.clock()
         if (self.key is None or self.unsaved < self.save_every
                 or (self.last_save is not None and now - self.last_save < self.min_save_interval_s)):
             return None
+        busy, self.foreign_load = self.foreign_load.too_busy(), self.foreign_load.start()
         self.unsaved, self.last_save = 0, now
+        if busy:
+            return None
         try:
             return save_profile(self.key, self.samples.profile())
         except OSError:
