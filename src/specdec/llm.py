@@ -1,14 +1,16 @@
 """Public Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from specdec.cache.kv_cache import kv_cache_dtype as kv_dtype
-from specdec.config import DEFAULT_ACCEPTANCE, SamplingParams, SpeculativeConfig
+from specdec.config import DEFAULT_ACCEPTANCE, GuidedDecoding, SamplingParams, SpeculativeConfig
 from specdec.drafters.base import Drafter
 from specdec.drafters.factory import build_drafter
 from specdec.engine.draft_length.adaptive import build_draft_policy
@@ -17,6 +19,7 @@ from specdec.engine.engine import Engine, StepOutput
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence as EngineSequence
 from specdec.engine.sequence import TokenKind
+from specdec.engine.tensor_parallel import TensorParallelGroup, launch
 from specdec.models.catalog import DEFAULT_MODEL
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
@@ -33,6 +36,12 @@ class RequestOutput:
     finish_reason: str
     metrics: SpecDecodeMetrics
     elapsed_s: float  # wall time from the first step to this request's end
+    # constrained requests (verify/grammar.py; 0 otherwise): time computing the grammar's allowed-token masks and how
+    # many (one per verify row and per draft end check), and all of the grammar engine's time after the grammar
+    # compiled (masks, emitted tokens consumed, drafts validated, forced tokens)
+    grammar_mask_time_s: float = 0.0
+    grammar_masks: int = 0
+    grammar_time_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -57,6 +66,7 @@ class LLM:
         draft_policy: str | DraftLengthPolicy = "adaptive",
         kv_cache_dtype: str = "auto",
         prefix_cache_tokens: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """loaded: an already built (model, tokenizer) to share between LLMs; drafter: a ready drafter to use
         instead of building the one speculative_config names (its num_speculative_tokens still applies).
@@ -66,13 +76,26 @@ class LLM:
         fp32 weights), "float16" or "float32".
         prefix_cache_tokens: keys/values of up to this many tokens of earlier requests kept, so that a prompt
         starting with them (a shared system turn, the next turn of a conversation) copies them instead of
-        prefilling them; 0 = off. Outputs are the same either way."""
+        prefilling them; 0 = off. Outputs are the same either way.
+        tensor_parallel_size: processes the target is split over (this one is rank 0 and runs the engine; the others
+        are spawned, see engine/tensor_parallel.py; `close` stops them). Greedy outputs are exact at a given size."""
         if prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         self.spec_config = _as_spec_config(speculative_config)
         kv_dtype(kv_cache_dtype, torch.float32)  # an unknown name fails here, before any weights are loaded
         self.device = torch.device(device) if device else default_device()
-        self.model, self.tokenizer = loaded if loaded is not None else load_model(model, weight_format, self.device)
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        self.parallel_group: TensorParallelGroup | None = None
+        if tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("tensor_parallel_size splits a model LLM loads; a loaded model is split already")
+            self.model, self.tokenizer, self.parallel_group = launch(
+                tensor_parallel_size, functools.partial(load_model, model, weight_format, str(self.device)),
+                self.device)
+        else:
+            self.model, self.tokenizer = loaded if loaded is not None else load_model(model, weight_format,
+                                                                                      self.device)
         self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
         if self.spec_config is not None and drafter is None:
             drafter = build_drafter(self.spec_config, self.model, self.tokenizer, weight_format=weight_format,
@@ -87,6 +110,11 @@ class LLM:
                              kv_cache_dtype=kv_dtype(kv_cache_dtype, self.model.kv_cache_dtype),
                              prefix_cache_tokens=prefix_cache_tokens,
                              acceptance=self.spec_config.acceptance if self.spec_config else DEFAULT_ACCEPTANCE)
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (they also stop when this process exits)."""
+        if self.parallel_group is not None:
+            self.parallel_group.close()
 
     def encode_prompt(self, prompt: str | Sequence[int] | list[dict], chat: bool = False) -> list[int]:
         if isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], int)):
@@ -104,11 +132,15 @@ class LLM:
         speculative: bool = True,
         on_output: Callable[[StepOutput], None] | None = None,
         request_ids: Sequence[str] | None = None,
+        **sampling: Any,
     ) -> list[RequestOutput]:
         """Generates for every prompt (batched); results in prompt order. on_output streams each step's tokens.
         request_ids: one id per prompt (they name the streamed StepOutputs), unique, and none in use by an unfinished
-        request; checked before any request is queued. None: the engine numbers the requests."""
-        params = params or SamplingParams()
+        request; checked before any request is queued. None: the engine numbers the requests.
+        sampling: instead of params, SamplingParams' fields as keywords (max_tokens=64, temperature=0.7,
+        presence_penalty=0.5, min_p=0.1, ...) and a constraint as one of json_schema (a dict or JSON text),
+        json_object=True, regex or grammar (llguidance's Lark); see `sampling_params_from`."""
+        params = sampling_params_from(params, sampling)
         single = isinstance(prompts, str)
         prompt_list = [prompts] if single else list(prompts)
         ids = self._checked_request_ids(request_ids, len(prompt_list))
@@ -151,7 +183,37 @@ class LLM:
         return ids
 
 
+GUIDED_KEYWORDS = {"json_schema": "json_schema", "json_object": "json_object", "regex": "regex", "grammar": "lark"}
+
+
+def sampling_params_from(params: SamplingParams | None, keywords: dict[str, Any]) -> SamplingParams:
+    """The SamplingParams of a generate call: params, or one built from keyword arguments (SamplingParams' fields;
+    stop as a string or list; json_schema, json_object, regex or grammar as the constraint). Both at once, unknown
+    keywords, or a constraint keyword beside guided are errors."""
+    if params is not None:
+        if keywords:
+            raise ValueError(f"pass a SamplingParams or keyword arguments ({', '.join(sorted(keywords))}), not both")
+        return params
+    fields = {field.name for field in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(keywords) - fields - set(GUIDED_KEYWORDS))
+    if unknown:
+        raise ValueError(f"unknown sampling keyword arguments {unknown}: SamplingParams' fields and "
+                         f"{', '.join(GUIDED_KEYWORDS)} are accepted")
+    options = {name: value for name, value in keywords.items() if name in fields}
+    constraint = {GUIDED_KEYWORDS[name]: value for name, value in keywords.items()
+                  if name in GUIDED_KEYWORDS and value not in (None, False)}
+    if constraint:
+        if options.get("guided") is not None:
+            raise ValueError(f"give the constraint once: guided or {', '.join(GUIDED_KEYWORDS)}, not both")
+        options["guided"] = GuidedDecoding(**constraint)
+    stop = options.get("stop")
+    if isinstance(stop, (str, list)):
+        options["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    return SamplingParams(**options)
+
+
 def _request_output(seq: EngineSequence, elapsed_s: float) -> RequestOutput:
+    grammar = seq.grammar
     return RequestOutput(
         request_id=seq.request_id,
         prompt_token_ids=tuple(seq.prompt_token_ids),
@@ -161,6 +223,9 @@ def _request_output(seq: EngineSequence, elapsed_s: float) -> RequestOutput:
         finish_reason=seq.finish_reason or "abort",
         metrics=seq.metrics,
         elapsed_s=elapsed_s,
+        grammar_mask_time_s=grammar.mask_time_s if grammar is not None else 0.0,
+        grammar_masks=grammar.masks_computed if grammar is not None else 0,
+        grammar_time_s=grammar.grammar_time_s if grammar is not None else 0.0,
     )
 
 

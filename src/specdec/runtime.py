@@ -8,6 +8,7 @@ import torch
 from specdec.models.catalog import resolve_model
 from specdec.models.layers import check_weight_format
 from specdec.models.loader import load_checkpoint
+from specdec.models.parallel import TensorParallel
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
 
@@ -24,11 +25,13 @@ def configure_threads(num_threads: int | None = None) -> int:
 
 
 def load_model(
-    name_or_path: str, weight_format: str = "auto", device: torch.device | str = "cpu"
+    name_or_path: str, weight_format: str = "auto", device: torch.device | str = "cpu",
+    parallel: TensorParallel | None = None,
 ) -> tuple[Transformer, Tokenizer]:
-    """weight_format: auto (q4 where the file stores Q4_K, q8 elsewhere), q4, q8 or fp32 (models/layers.py)."""
+    """weight_format: auto (q4 where the file stores Q4_K, q8 elsewhere), q4, q8 or fp32 (models/layers.py).
+    parallel: this process's rank in a tensor-parallel group (it keeps its shard; see engine/tensor_parallel.py)."""
     check_weight_format(weight_format)
     checkpoint = load_checkpoint(resolve_model(name_or_path), keep_q4k_bytes=weight_format in ("auto", "q4"))
     model = Transformer(checkpoint.config, checkpoint.tensors, weight_format=weight_format, device=device,
-                        source=str(name_or_path), storage=checkpoint.storage)
+                        source=str(name_or_path), storage=checkpoint.storage, parallel=parallel)
     return model, checkpoint.tokenizer

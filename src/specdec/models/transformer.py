@@ -2,6 +2,9 @@
 
 Weights come from a loader as canonical fp32 tensors (see models/loader.py) and are converted once to
 the chosen weight format (models/layers.Linear). q/k/v and gate/up are fused into single linears.
+
+Under tensor parallelism (models/parallel.py) each rank builds the same class over its slice of the checkpoint:
+its heads and its part of the intermediate dimension; the partial sums of o_proj and down_proj are all-reduced.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from specdec.models.batch import ForwardBatch
 from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
 from specdec.models.config import ModelConfig
 from specdec.models.layers import Linear, RotaryTable, TensorStorage, check_weight_format
+from specdec.models.parallel import ShardPlan, TensorParallel, TrunkCommand
 
 if TYPE_CHECKING:  # the cache is the layer above: the model only writes and reads the one it is given
     from specdec.cache.kv_cache import KVCache
@@ -86,34 +90,47 @@ class Transformer:
     """Forward pass over a ForwardBatch with a KVCache; returns logits of the requested rows."""
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], weight_format: str = "auto", device="cpu",
-                 source: str = "", storage: TensorStorage | None = None) -> None:
+                 source: str = "", storage: TensorStorage | None = None,
+                 parallel: TensorParallel | None = None) -> None:
         """weight_format: auto, q4, q8 or fp32 (models/layers.py: WEIGHT_FORMATS); storage: how the file stored the
         tensors (its Q4_K bytes load losslessly as q4; none: every tensor counts as fp32, so auto means q8).
         source: the catalogue name or path the weights came from ("" for models built in memory); it keys
-        the measured cost profile of this model (engine/draft_length/)."""
+        the measured cost profile of this model (engine/draft_length/).
+        parallel: this process's rank in a tensor-parallel group (None: the whole model in this process); the rank
+        keeps its slice of ``tensors`` (models/parallel.py), only rank 0 builds the output layer."""
         check_weight_format(weight_format)
         storage = storage or TensorStorage()
         self.config = config
         self.source = source
         self.weight_format = weight_format
         self.device = torch.device(device)
+        self.parallel = parallel if parallel is not None and parallel.world_size > 1 else None
         missing = self._missing_tensors(tensors)
         if missing:
             raise ValueError(f"checkpoint lacks tensors required by {config.architecture}: {', '.join(missing[:8])}")
+        # this rank's part: its heads (the config its KV cache is made for) and its slices of the layers' weights
+        self.shard_config = config
+        if self.parallel is not None:
+            plan = ShardPlan.build(config, self.parallel.world_size, self.parallel.rank, storage, weight_format)
+            self.shard_config = plan.shard_config(config)
+            tensors, storage = plan.tensors(tensors), plan.storage(storage)
         embed = tensors["embed_tokens"].float().to(self.device)
         # The embedding table is a gather, not a weight stream: q8 under q4 (and the lm_head it is tied to).
         self.embed_tokens = Linear.build(embed, None, "fp32" if weight_format == "fp32" else "q8")
-        self.lm_head = (self.embed_tokens if "lm_head" not in tensors
-                        else _linear(tensors, storage, ["lm_head"], None, weight_format, self.device))
+        self.lm_head: Linear | None = None  # the workers of a tensor-parallel group compute no logits
+        if self.parallel is None or self.parallel.is_leader:
+            self.lm_head = (self.embed_tokens if "lm_head" not in tensors
+                            else _linear(tensors, storage, ["lm_head"], None, weight_format, self.device))
         self.norm = tensors["norm"].float().to(self.device)
         self.layers = [_build_layer(config, tensors, storage, i, weight_format, self.device)
                        for i in range(config.num_layers)]
         thetas = {config.layer_rope_theta(i) for i in range(config.num_layers)}
         self.rotary = {theta: RotaryTable(config.head_dim, theta, self.device) for theta in thetas}
-        self.qk_shape = QKNormRope(config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps)
+        shard = self.shard_config
+        self.qk_shape = QKNormRope(shard.num_heads, shard.num_kv_heads, shard.head_dim, shard.rms_norm_eps)
         # The last layer's key/value rows of qkv_proj (bit for bit the same weights): a prompt's rows that need no
         # logits only write keys/values there (see _trunk).
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        q_size, kv_size = shard.num_heads * shard.head_dim, shard.num_kv_heads * shard.head_dim
         self._last_kv_proj = self.layers[-1].qkv_proj.rows(torch.arange(q_size, q_size + 2 * kv_size))
 
     def _missing_tensors(self, tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -147,22 +164,24 @@ class Transformer:
         fp32 weights (the reference format, for parity with HF transformers)."""
         return torch.float32 if self.weight_format == "fp32" else torch.float16
 
-    def linear_bytes(self) -> dict[str, int]:
-        """Bytes of the linears (embedding table included) per format they run in: {"q4": ..., "q8": ...}."""
-        linears = [self.embed_tokens] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
+    def _linears(self) -> list[Linear]:
+        """Every linear this process holds (embedding table included; a tensor-parallel rank: its slices)."""
+        separate_head = self.lm_head is not None and self.lm_head is not self.embed_tokens
+        linears = [self.embed_tokens] + ([self.lm_head] if separate_head else [])
         for layer in self.layers:
             linears += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+        return linears
+
+    def linear_bytes(self) -> dict[str, int]:
+        """Bytes of the linears (embedding table included) per format they run in: {"q4": ..., "q8": ...}."""
         totals: dict[str, int] = {}
-        for linear in linears:
+        for linear in self._linears():
             totals[linear.format] = totals.get(linear.format, 0) + linear.nbytes()
         return totals
 
     @property
     def weight_nbytes(self) -> int:
-        linears = [self.embed_tokens] + ([] if self.lm_head is self.embed_tokens else [self.lm_head])
-        for layer in self.layers:
-            linears += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
-        return sum(linear.nbytes() for linear in linears)
+        return sum(linear.nbytes() for linear in self._linears())
 
     def key_ranges(self, batch: ForwardBatch) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """Per layer type, the keys each row attends: the cache positions [start, end) then the tree keys.
@@ -200,6 +219,9 @@ class Transformer:
         """normed_hidden [rows, hidden] (after the final norm) -> logits [rows, vocab] fp32; lm_head: some rows of
         the output layer instead of all of it (logits [rows, its rows])."""
         lm_head = lm_head or self.lm_head
+        if lm_head is None:
+            raise RuntimeError(f"rank {self.parallel.rank} of a tensor-parallel group holds no output layer: "
+                               "logits are computed on rank 0")
         if normed_hidden.shape[0] == 0:  # a prefill chunk that ends no prompt
             return normed_hidden.new_empty(0, lm_head.out_features)
         logits = lm_head(normed_hidden)
@@ -208,6 +230,12 @@ class Transformer:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    @torch.inference_mode()
+    def forward_shard(self, command: TrunkCommand, cache: KVCache) -> None:
+        """A worker of a tensor-parallel group: this rank's part of the forward the leader runs (the leader's
+        TrunkCommand), writing this rank's heads' keys/values into its cache."""
+        self._trunk(command.batch, cache, command.out_rows)
+
     def _trunk(self, batch: ForwardBatch, cache: KVCache, out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Embedding and every decoder layer: the residual stream [rows, hidden] before the final norm.
 
@@ -215,7 +243,10 @@ class Transformer:
         writes its keys/values in every layer, but the last layer computes its query, attention and MLP for
         these rows only — a prompt's other rows feed nothing after that (as llama.cpp's output-row selection).
         Each kernel is row-invariant, so the wanted rows come out bit for bit as in a full pass.
+        The leader of a tensor-parallel group first sends the workers the same forward (forward_shard).
         """
+        if self.parallel is not None and self.parallel.is_leader:
+            self.parallel.send(TrunkCommand(batch, out_rows), cache)
         hidden = self.embed_tokens.embed(batch.token_ids)  # [rows, hidden]
         if self.config.embedding_scale != 1.0:
             hidden = hidden * self.config.embedding_scale
@@ -242,14 +273,15 @@ class Transformer:
         config = self.config
         rows = hidden.shape[0]
         normed = rms_norm(hidden, layer.attn_norm, config.rms_norm_eps)  # [rows, hidden]
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        shard = self.shard_config  # this rank's heads (all of them without tensor parallelism)
+        q_size, kv_size = shard.num_heads * shard.head_dim, shard.num_kv_heads * shard.head_dim
         cos, sin = self.rotary[config.layer_rope_theta(index)].tables(max_position)  # each [>= max_position + 1, D]
         if out_rows is None:
             qkv = layer.qkv_proj(normed)  # [rows, (H + 2 Hkv) * D]
         else:  # keys/values of every row; the query part left zero (its rows are not read)
             qkv = torch.cat([normed.new_zeros(rows, q_size), self._last_kv_proj(normed)], dim=1)
         # a view of qkv's columns (strided rows: the cache write reads them in place)
-        value = qkv[:, q_size + kv_size :].unflatten(1, (config.num_kv_heads, config.head_dim))
+        value = qkv[:, q_size + kv_size :].unflatten(1, (shard.num_kv_heads, shard.head_dim))
         query, key = qk_norm_rope(qkv, self.qk_shape, layer.q_norm, layer.k_norm, cos, sin, batch.positions)
         cache.write(index, batch.slots, batch.cache_positions, key, value)
         key_start, key_end, tree_keys = key_range
@@ -263,17 +295,23 @@ class Transformer:
             rows = out_rows.shape[0]
         context = attention(query.contiguous(), cache.keys[index], cache.values[index], slots32, key_start, key_end,
                             config.scale, tree_keys)
-        out = layer.o_proj(context.reshape(rows, q_size))  # [rows, hidden]
+        out = self._reduced(layer.o_proj(context.reshape(rows, q_size)))  # [rows, hidden]
         if layer.post_attn_norm is not None:
             out = rms_norm(out, layer.post_attn_norm, config.rms_norm_eps)
         return out
 
     def _mlp(self, layer: DecoderLayer, hidden):
         gate_up = layer.gate_up_proj(rms_norm(hidden, layer.ffn_norm, self.config.rms_norm_eps))  # [rows, 2 * inter]
-        out = layer.down_proj(gated_activation(gate_up, self.config.activation))  # [rows, hidden]
+        out = self._reduced(layer.down_proj(gated_activation(gate_up, self.config.activation)))  # [rows, hidden]
         if layer.post_ffn_norm is not None:
             out = rms_norm(out, layer.post_ffn_norm, self.config.rms_norm_eps)
         return out
+
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output [rows, hidden]: the ranks' partial sums added in rank order (no-op on one
+        process)."""
+        return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
 
 def _drop_leading_keys(tree_keys: torch.Tensor | None, counts: torch.Tensor) -> torch.Tensor | None:

@@ -428,6 +428,8 @@ def _cached_profile(target, model_name: str | None, weight_format: str):
         key = ProfileKey.current(model_name, weight_format, target.device)
     except (OSError, ValueError):
         return None, None
+    if target.parallel is not None:  # a tensor-parallel leader: its own costs (communication included)
+        key = dataclasses.replace(key, model=f"{key.model}+tp{target.parallel.world_size}")
     return load_or_measure(target, key), key
 
 

@@ -219,7 +219,8 @@ class _ForwardTimer:
         from specdec.cache.kv_cache import KVCache
 
         self.model = model
-        self.cache = KVCache(model.config, 1, max_context + max_rows + 1, model.device, dtype=model.kv_cache_dtype)
+        self.cache = KVCache(model.shard_config, 1, max_context + max_rows + 1, model.device,
+                             dtype=model.kv_cache_dtype)  # this rank's heads under tensor parallelism
         generator = torch.Generator(device=self.cache.keys[0].device).manual_seed(0)
         for entries in self.cache.keys + self.cache.values:  # each [1, kv_heads, positions, head_dim]
             entries[:, :, :max_context].normal_(generator=generator)
