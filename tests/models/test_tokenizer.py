@@ -1,6 +1,7 @@
 """Tokenizer tests: GGUF-built tokenizers against transformers' own GGUF tokenizers, streaming detokenization."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -102,6 +103,32 @@ def test_chat_template_matches_transformers(tokenizer_pair, name: str) -> None:
             expected = reference.apply_chat_template(messages, tokenize=False,
                                                      add_generation_prompt=add_generation_prompt)
             assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_MESSAGES = [  # a call and its answer, in transformers' shape (the call's arguments as a dict)
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+]
+
+
+@pytest.mark.real
+def test_chat_template_with_tools_matches_transformers(tokenizer_pair) -> None:
+    """Qwen2.5's template renders the tools (<tools></tools>), past calls (<tool_call>) and tool answers
+    (<tool_response>) exactly as transformers' apply_chat_template does."""
+    ours, reference = tokenizer_pair("qwen2.5-coder-0.5b-instruct")
+    for messages in (MESSAGES, TOOL_MESSAGES):
+        expected = reference.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False,
+                                                 add_generation_prompt=True)
+        rendered = ours.apply_chat_template(messages, tools=[WEATHER_TOOL])
+        assert rendered == expected
+        assert "<tools>\n" + json.dumps(WEATHER_TOOL) + "\n</tools>" in rendered
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in rendered
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in rendered
 
 
 @pytest.mark.real

@@ -30,6 +30,14 @@ fields = {
     "speculative": st.one_of(st.booleans(), json_values),
     "n": st.one_of(st.integers(0, 3), json_values),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), json_values),
+    "tools": st.one_of(st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "custom"]),
+         "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "a b", ""])},
+                                           optional={"parameters": json_values})}), max_size=2), json_values),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), json_values,
+                             st.fixed_dictionaries({"type": st.just("function"),
+                                                    "function": st.fixed_dictionaries({"name": st.just("f")})})),
+    "parallel_tool_calls": st.one_of(st.booleans(), json_values),
 }
 valid_fields = {
     "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 300),

@@ -13,7 +13,7 @@ CHAT_FIELDS = sorted(chat_params.CompletionCreateParamsBase.__annotations__)
 COMPLETION_FIELDS = sorted(completion_params.CompletionCreateParamsBase.__annotations__)
 BASE = {"/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
         "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2}}
-NOT_IMPLEMENTED_YET = {"tools", "tool_choice"}
+DEPRECATED = {"functions", "function_call"}  # refused, pointing to tools / tool_choice
 
 
 def post(server, path, body):
@@ -41,11 +41,13 @@ def test_every_openai_request_field_is_implemented_or_refused(ngram_server, path
         refused.append(field)
     assert {"presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "user"} <= set(implemented)
     if path == "/v1/chat/completions":
-        assert NOT_IMPLEMENTED_YET <= set(refused)
-        for field in NOT_IMPLEMENTED_YET:
+        assert {"tools", "tool_choice", "parallel_tool_calls", "response_format"} <= set(implemented)
+        assert DEPRECATED <= set(refused)
+        for field in DEPRECATED:
             response = post(ngram_server, path, {**BASE[path], field: {"type": "json_object"}})
             assert response.json()["error"]["code"] == "unsupported_parameter"
             assert "not implemented" in response.json()["error"]["message"]
+            assert "use tool" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path", BASE)

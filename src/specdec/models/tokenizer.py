@@ -186,16 +186,21 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
 
-    def encode_chat(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        """The prompt ids of a chat: ``messages`` rendered with the chat template (with the generation prompt),
-        then encoded without a second BOS. The one chat encoding of the CLI, the Python API, the server, the
-        benchmarks and training data. Template errors (unknown roles, raise_exception) propagate."""
-        text = self.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    **template_kwargs: Any) -> list[int]:
+        """The prompt ids of a chat: ``messages`` (and ``tools``) rendered with the chat template (with the
+        generation prompt), then encoded without a second BOS. The one chat encoding of the CLI, the Python API,
+        the server, the benchmarks and training data. Template errors (unknown roles, raise_exception) propagate."""
+        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **template_kwargs)
         return self.encode(text, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> str:
+                            tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
         """Render ``messages`` with the file's chat template (jinja2 sandbox, like transformers).
+
+        ``tools``: OpenAI function tools (``{"type": "function", "function": {"name", "description",
+        "parameters"}}``), passed to the template as transformers' ``apply_chat_template(tools=...)`` passes them
+        (None when absent, as there); Qwen2.5's template writes them into the system prompt.
 
         Gemma 3 GGUF files carry no template; for them the built-in Gemma 3 turn template is used. The result
         may start with the BOS token; ``encode`` does not add a second one.
@@ -205,6 +210,7 @@ class Tokenizer:
         template = _compile_template(self.chat_template)
         return template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_or_empty(self.bos_token_id),
             eos_token=self._token_or_empty(min(self.eos_token_ids) if self.eos_token_ids else None),

@@ -30,6 +30,12 @@ ERROR_STATUSES = {  # status -> when (every one answers with ERROR_BODY)
     "503": "the server is at capacity, stopping, or its engine has failed or stalled (Retry-After: 1)",
     "504": "the request did not finish within the server's request timeout",
 }
+TOOLS_NOTE = ("Tools: `tools`, `tool_choice` and `parallel_tool_calls` as OpenAI; calls are parsed from the Qwen2.5 "
+              "/ Hermes format (`<tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call>`) into "
+              "message.tool_calls (finish_reason 'tool_calls'); with tool_choice 'required' or a named function the "
+              "output is constrained by a grammar to such calls, arguments matching the parameters schema, under "
+              "speculation as in plain decoding. Streamed, content stops where a call begins and the calls come "
+              "whole in the last chunk. ")
 COMPLETION_RESPONSE = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"]}
 
 
@@ -50,7 +56,7 @@ def openapi_document(model_name: str, limits: RequestLimits) -> dict[str, Any]:
         "paths": {
             "/v1/completions": {"post": _generation("Text completion of one prompt. " + body_note, completion)},
             "/v1/chat/completions": {"post": _generation("Chat completion with the model's chat template. "
-                                                         + body_note, chat)},
+                                                         + TOOLS_NOTE + body_note, chat)},
             "/tokenize": {"post": _post("Token ids of a prompt, or of messages rendered with the chat template "
                                         "(vLLM's shape).", tokenize,
                                         {"type": "object", "required": ["tokens", "count", "max_model_len"]})},

@@ -2,8 +2,8 @@
 
 Requests are parsed strictly (no "5" -> 5 coercion, no true -> 1): a malformed field is a 400 naming the
 field (`param`), never a 5xx. No field is silently ignored: one the request models below do not declare is a
-400 naming it (`unsupported_parameter` for the OpenAI fields we do not implement, such as `tools` and
-`tool_choice`; `unknown_parameter` for any other), except `user` and `metadata`, which are accepted
+400 naming it (`unsupported_parameter` for the OpenAI fields we do not implement, the deprecated `functions`
+and `function_call`; `unknown_parameter` for any other), except `user` and `metadata`, which are accepted
 and ignored as OpenAI itself does. Fields we implement only in part are accepted when harmless (n=1, echo=false).
 
 Penalties and biases (verify/penalties.py, exact under speculation): `presence_penalty`, `frequency_penalty`,
@@ -15,6 +15,11 @@ constraint), {"type": "json_object"} (one JSON object) or {"type": "json_schema"
 "description"?, "strict"?}} (JSON matching the schema), as OpenAI; the output is constrained whether or not
 `strict` is set.
 
+Tool calls (server/tool_calls.py): `tools` (function tools: name, description?, parameters?, strict?),
+`tool_choice` ("none" | "auto" | "required" | {"type": "function", "function": {"name"}}) and
+`parallel_tool_calls`, as OpenAI; assistant messages with `tool_calls` and `role: "tool"` messages with
+`tool_call_id` go to the chat template. The deprecated `functions` / `function_call` are refused.
+
 Extensions (as vLLM): `top_k`, `ignore_eos`, `speculative` (false = decode this request without drafts),
 `return_token_ids` (each choice/chunk carries the generated token ids), `return_token_kinds` (each choice/chunk
 also carries per-token provenance: `token_kinds`, `draft_positions`, `token_texts`; see responses.py).
@@ -25,9 +30,12 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from specdec.config import GuidedDecoding, SamplingParams
+from specdec.server.tool_calls import EMPTY_PARAMETERS, FunctionSpec, ToolCallSetup, arguments_schema_error
 
 MAX_LOGPROBS = 20
 
@@ -76,11 +84,8 @@ class _Strict(BaseModel):
 
 # OpenAI request fields we do not implement (a 400 naming the field, code "unsupported_parameter"), with why
 UNSUPPORTED_FIELDS = {
-    "tools": "tool calls (tools) are not implemented yet",
-    "tool_choice": "tool calls (tool_choice) are not implemented yet",
-    "parallel_tool_calls": "tool calls (parallel_tool_calls) are not implemented yet",
-    "functions": "function calls (functions, deprecated by OpenAI) are not implemented",
-    "function_call": "function calls (function_call, deprecated by OpenAI) are not implemented",
+    "functions": "function calls (functions, deprecated by OpenAI) are not implemented; use tools",
+    "function_call": "function calls (function_call, deprecated by OpenAI) are not implemented; use tool_choice",
 }
 IGNORED_FIELDS = ("user", "metadata")  # accepted and ignored, as OpenAI does
 
@@ -112,6 +117,75 @@ class ResponseFormat(_Strict):
             raise bad_request("response_format of type 'json_schema' needs json_schema: {'name', 'schema'}",
                               "response_format.json_schema", "missing_required_parameter")
         return GuidedDecoding(json_schema=self.json_schema.json_schema)
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule for function names
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # the arguments' JSON schema (an object); absent = no arguments
+    strict: bool | None = None  # accepted; a call is constrained to the schema only when tool_choice forces it
+
+    def spec(self, param: str) -> FunctionSpec:
+        """The function as the parser and the grammar see it; a 400 naming param when parameters is no schema of
+        an object (checked against JSON Schema draft 2020-12)."""
+        if self.parameters is None:
+            return FunctionSpec(self.name, EMPTY_PARAMETERS)
+        try:
+            Draft202012Validator.check_schema(self.parameters)
+        except SchemaError as error:
+            path = "".join(f"[{part!r}]" for part in error.path)
+            raise bad_request(f"{param} is not a valid JSON schema: {error.message} (at parameters{path})",
+                              param) from None
+        if self.parameters.get("type", "object") != "object":
+            raise bad_request(f"{param} must describe a JSON object (type 'object'), got type "
+                              f"{self.parameters['type']!r}", param)
+        return FunctionSpec(self.name, self.parameters)
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+# An object is a named function, anything else a mode: each gets its own branch's error (tags never in a param)
+ToolChoice = Annotated[Union[Annotated[Literal["none", "auto", "required"], Tag("mode")],
+                             Annotated[NamedToolChoice, Tag("named")]],
+                       Discriminator(lambda value: "named" if isinstance(value, (dict, NamedToolChoice)) else "mode")]
+
+
+class MessageToolCallFunction(_Strict):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class MessageToolCall(_Strict):
+    """A call in an assistant message sent back (what a response's tool_calls held)."""
+
+    id: str
+    type: Literal["function"]
+    function: MessageToolCallFunction
+
+    def template_call(self, param: str) -> dict[str, Any]:
+        """The call as chat templates receive it (transformers' shape): the arguments as a dict."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError as error:
+            raise bad_request(f"{param} is not JSON: {error}", param) from None
+        if not isinstance(arguments, dict):
+            raise bad_request(f"{param} must be a JSON object, got {type(arguments).__name__}", param)
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
 
 
 class _CommonRequest(_Strict):
@@ -205,6 +279,34 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages only (required there)
+
+    def template_message(self, index: int) -> dict[str, Any]:
+        """The message as the chat template receives it: role, content (text), and the tool fields it carries."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text_content()}
+        param = f"messages.{index}"
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls is not None:
+            if self.role != "assistant":
+                raise bad_request(f"only assistant messages carry tool_calls, not {self.role!r} ones",
+                                  f"{param}.tool_calls")
+            message["tool_calls"] = [call.template_call(f"{param}.tool_calls.{i}.function.arguments")
+                                     for i, call in enumerate(self.tool_calls)]
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise bad_request("a tool message needs tool_call_id (the id of the call it answers)",
+                                  f"{param}.tool_call_id", "missing_required_parameter")
+            message["tool_call_id"] = self.tool_call_id
+        elif self.tool_call_id is not None:
+            raise bad_request(f"only tool messages carry tool_call_id, not {self.role!r} ones", f"{param}.tool_call_id")
+        return message
+
+    def text_length(self) -> int:
+        """Characters of the message's text: content and its calls' arguments."""
+        return len(self.text_content()) + sum(len(call.function.arguments) for call in self.tool_calls or ())
 
     def text_content(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -221,13 +323,21 @@ class _ChatMessages:
     """What the chat requests (chat completions, /tokenize with messages) do with their `messages`."""
 
     messages: list[ChatMessage]
+    tools: list[Tool] | None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text_content()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [message.template_message(i) for i, message in enumerate(self.messages)]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template receives them (as the client sent them); None: none to render."""
+        return None if self.tools is None else [tool.model_dump(exclude_unset=True) for tool in self.tools]
 
     def check_prompt_length(self, limits: RequestLimits) -> None:
-        """A 400 when the messages' text together is longer than the limit, before the template renders it."""
-        total = sum(len(message["content"]) for message in self.template_messages())
+        """A 400 when the messages' text and the tools together are longer than the limit, before the template
+        renders them."""
+        self.template_messages()  # the 400s of malformed messages come first
+        total = sum(message.text_length() for message in self.messages)
+        total += sum(len(json.dumps(tool)) for tool in self.template_tools() or ())
         if total > limits.max_prompt_chars:
             raise prompt_too_long(total, limits, "messages")
 
@@ -237,6 +347,58 @@ class ChatCompletionRequest(_ChatMessages, _CommonRequest):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = Field(None, description=(
+        "function tools, rendered into the prompt by the model's chat template (a template that ignores them is a "
+        "400 tools_not_supported); calls in the output (Qwen2.5 / Hermes `<tool_call>` format) come back as "
+        "message.tool_calls with finish_reason 'tool_calls'"))
+    tool_choice: ToolChoice | None = Field(None, description=(
+        "'auto' (the default with tools): the output is free and parsed for calls; 'required': constrained to one "
+        "or more calls (one with parallel_tool_calls false) to any tool, the arguments matching its parameters "
+        "schema; a named function: constrained to one call to it; 'none': the tools are not rendered, no parsing"))
+    parallel_tool_calls: bool | None = Field(None, description=(
+        "false: tool_choice 'required' makes exactly one call (default: one or more)"))
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """tool_choice "none" renders no tools (the model is not told about them, as vLLM by default)."""
+        return None if self.tool_choice == "none" else super().template_tools()
+
+    def tool_setup(self) -> ToolCallSetup | None:
+        """What the tools ask for (None: no tools, or tool_choice "none"); a 400 naming the field when the tools,
+        the choice or their combination with response_format is wrong."""
+        choice = self.tool_choice
+        if self.tools is None:
+            if choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools", "tool_choice")
+            return None
+        functions = [tool.function.spec(f"tools.{i}.function.parameters") for i, tool in enumerate(self.tools)]
+        names = [function.name for function in functions]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise bad_request(f"tool names must be unique, got {', '.join(map(repr, duplicates))} more than once",
+                              "tools")
+        if choice == "none":
+            return None
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request("response_format constrains the whole output, so it cannot be combined with tools "
+                              "unless tool_choice is 'none'", "response_format")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not among "
+                                  f"the tools ({', '.join(map(repr, names))})", "tool_choice.function.name")
+            chosen = [functions[names.index(choice.function.name)]]
+            mode = "named"
+        else:
+            chosen, mode = functions, choice or "auto"
+        if mode != "auto":  # the arguments will be constrained: the grammar engine must accept the schemas
+            for function in chosen:
+                param = f"tools.{names.index(function.name)}.function.parameters"
+                error = arguments_schema_error(function.parameters)
+                if error:
+                    raise bad_request(f"tool_choice {choice if isinstance(choice, str) else 'naming a function'} "
+                                      f"constrains the arguments to {param}, which the grammar engine cannot "
+                                      f"enforce: {error}", param)
+        return ToolCallSetup(tuple(self.template_tools()), tuple(chosen), frozenset(names), mode,
+                             self.parallel_tool_calls is not False)
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -264,6 +426,7 @@ class TokenizeChatRequest(_ChatMessages, _Strict):
 
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None  # rendered by the template
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
 
@@ -340,8 +503,11 @@ def _param_path(data: Any, loc: tuple, missing: bool) -> str | None:
 
 
 def sampling_params(request: _CommonRequest, max_tokens: int, num_logprobs: int | None,
-                    limits: RequestLimits, vocab_size: int | None = None) -> SamplingParams:
-    """The request's SamplingParams; vocab_size: token ids in logit_bias / stop_token_ids must be below it."""
+                    limits: RequestLimits, vocab_size: int | None = None,
+                    tool_guided: GuidedDecoding | None = None) -> SamplingParams:
+    """The request's SamplingParams; vocab_size: token ids in logit_bias / stop_token_ids must be below it;
+    tool_guided: the tool-call constraint (ToolCallSetup.guided), used instead of response_format's (which
+    tool_setup refuses beside it)."""
     top_k = 0 if request.top_k == -1 else request.top_k
     seed = None if request.seed is None else request.seed % 2**63  # torch seeds are 64-bit
     logit_bias = request.logit_bias_pairs()
@@ -366,7 +532,8 @@ def sampling_params(request: _CommonRequest, max_tokens: int, num_logprobs: int 
                               repetition_penalty=float(request.repetition_penalty), logit_bias=logit_bias,
                               min_tokens=request.min_tokens, min_p=float(request.min_p),
                               stop_token_ids=stop_token_ids,
-                              guided=request.response_format.guided() if request.response_format else None)
+                              guided=tool_guided or (request.response_format.guided()
+                                                     if request.response_format else None))
     except ValueError as error:
         raise bad_request(str(error)) from None
 

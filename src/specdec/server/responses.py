@@ -2,6 +2,9 @@
 
 Completions:  choices[0].text, logprobs {tokens, token_logprobs, top_logprobs, text_offset}
 Chat:         choices[0].message.content / delta.content, logprobs {content: [{token, logprob, bytes, top_logprobs}]}
+              With tools (server/tool_calls.py): message.tool_calls and finish_reason "tool_calls" when the output
+              holds well-formed calls; streamed, the content stops at a `<tool_call>` tag and the calls come whole
+              in the last chunk's delta.tool_calls (each with its index).
 Text comes from StepOutput.new_text (UTF-8 safe, stop-string aware), so the concatenated stream equals the
 non-streamed text; logprobs come from StepOutput.new_logprobs (the target's raw distribution).
 
@@ -25,6 +28,7 @@ from typing import Any
 from specdec.engine.engine import StepOutput, TokenLogprob
 from specdec.engine.sequence import TokenKind
 from specdec.models.tokenizer import Tokenizer
+from specdec.server.tool_calls import ToolCallParser, ToolCallStream
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -162,6 +166,12 @@ class ChatBuilder(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, *args, tool_parser: ToolCallParser | None = None, **kwargs) -> None:
+        """tool_parser: the request's tools (None: no tools, or tool_choice "none": the text is all content)."""
+        super().__init__(*args, **kwargs)
+        self.tool_parser = tool_parser
+        self.tool_stream = ToolCallStream(tool_parser) if tool_parser else None
+
     def _logprobs(self, logprobs) -> dict[str, Any] | None:
         if logprobs is None:
             return None
@@ -181,13 +191,29 @@ class ChatBuilder(ResponseBuilder):
 
     def chunk(self, output: StepOutput) -> dict[str, Any]:
         self.add(output)
-        delta = {"content": output.new_text} if output.new_text or not output.finished else {}
+        content, finish_reason, tool_calls = output.new_text, output.finish_reason, None
+        if self.tool_stream is not None:
+            if output.finished:
+                final = self.tool_stream.finish(self.text, output.finish_reason)
+                content, finish_reason, tool_calls = final.content, final.finish_reason, final.tool_calls
+            else:
+                content = self.tool_stream.content_delta(self.text)
+        delta: dict[str, Any] = {"content": content} if content or not output.finished else {}
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(tool_calls)]
         choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(output.new_logprobs),
-                  "finish_reason": output.finish_reason}
+                  "finish_reason": finish_reason}
         return self._envelope(self.chunk_object_name, [self._with_step_extensions(choice, output)])
 
     def response(self) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
-                  "logprobs": self._logprobs(self.logprobs), "finish_reason": self.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        finish_reason = self.finish_reason
+        parsed = self.tool_parser.parse(self.text, finish_reason) if self.tool_parser else None
+        if parsed is not None:
+            message = {"role": "assistant", "content": parsed.content,
+                       "tool_calls": [call.to_openai() for call in parsed.tool_calls]}
+            finish_reason = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(self.logprobs),
+                  "finish_reason": finish_reason}
         return {**self._envelope(self.object_name, [self._with_all_extensions(choice)]),
                 "usage": self.usage()}
