@@ -16,7 +16,7 @@ bash .ci/install-browser.sh  # Debian chromium for the playground browser tests 
 BUILD_REQUIRES=$(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]))')
 # shellcheck disable=SC2086
 .venv/bin/pip install --quiet --disable-pip-version-check $BUILD_REQUIRES
-PATH="$PWD/.venv/bin:$PATH" .venv/bin/pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test,bench]"
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test,bench,ray]"
 .venv/bin/specdec build-kernels  # says which build runs; compiles into the cache if the sources changed since
 for model in ${SPECDEC_MODELS:-gemma-3-270m smollm2-135m-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct}; do
   .venv/bin/specdec pull "$model" > /dev/null
