@@ -103,3 +103,65 @@ def test_plan_cli_measure_this_machine(tiny_hf_dir, tmp_path, monkeypatch, capsy
 def test_plan_cli_rejects_bad_hardware(tiny_hf_dir, capsys):
     assert main(["plan", "--model", str(tiny_hf_dir), "--hardware", "tpu9"]) == 2
     assert "--hardware" in capsys.readouterr().err
+
+
+# ---- tensor parallel: the all-reduce cost model ---------------------------------------------------------------------
+LINK = plan.Interconnect("test link", latency_s=10e-6, bandwidth=100e9)
+
+
+def test_all_reduce_seconds_is_latency_plus_the_ring_share_over_bandwidth():
+    assert plan.all_reduce_seconds(1e6, 1, LINK) == 0.0
+    assert plan.all_reduce_seconds(1e6, 2, LINK) == pytest.approx(10e-6 + 1e6 / 100e9)  # 2(N-1)/N = 1
+    assert plan.all_reduce_seconds(1e6, 4, LINK) == pytest.approx(10e-6 + 1.5e6 / 100e9)
+    assert plan.all_reduce_seconds(0, 8, LINK) == pytest.approx(10e-6)  # small messages: the latency
+
+
+def test_a_tensor_parallel_step_splits_the_layers_and_adds_two_all_reduces_per_layer():
+    config = tiny_config("llama", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                         num_kv_heads=8, head_dim=128, vocab_size=128256)
+    stats = plan.ModelStats.of(config)
+    h100 = plan.HARDWARE["h100"]
+    step = plan.tensor_parallel_step(stats, h100, "bf16", 1, 5, 1024, 2, 2, LINK)
+    layer_params = stats.streamed_params - stats.output_params
+    kv_read = 32 * 1024 * 2 * 8 * 128 * 2 / 2
+    assert step.compute_s == pytest.approx(((layer_params / 2 + stats.output_params) * 2 + kv_read) / 3.35e12)
+    assert step.communication_s == pytest.approx(2 * 32 * (10e-6 + 5 * 4096 * 2 / 100e9))
+    assert step.seconds == pytest.approx(step.compute_s + step.communication_s)
+    single = plan.tensor_parallel_step(stats, h100, "bf16", 1, 5, 1024, 2, 1, LINK)
+    assert single.communication_s == 0 and single.compute_s == plan.roofline_seconds(stats, h100, "bf16", 1, 5, 1024, 2)
+
+
+def test_tensor_parallel_pays_for_a_large_model_on_nvlink_not_for_a_small_one_over_ethernet():
+    large = plan.ModelStats.of(tiny_config("llama", hidden_size=8192, intermediate_size=28672, num_layers=80,
+                                           num_heads=64, num_kv_heads=8, head_dim=128, vocab_size=128256))
+    small = plan.ModelStats.of(tiny_config("qwen2", hidden_size=1536, intermediate_size=8960, num_layers=28,
+                                           num_heads=12, num_kv_heads=2, head_dim=128, vocab_size=151936))
+    h100 = plan.HARDWARE["h100"]
+
+    def speedup(stats, size, link):
+        one = plan.tensor_parallel_step(stats, h100, "bf16", 1, 1, 1024, 2, 1, link).seconds
+        return one / plan.tensor_parallel_step(stats, h100, "bf16", 1, 1, 1024, 2, size, link).seconds
+
+    assert speedup(large, 8, plan.INTERCONNECTS["nvlink4"]) > 4
+    assert speedup(small, 2, plan.INTERCONNECTS["100gbe"]) < 1
+    table = plan.tensor_parallel_table(small, h100, "bf16", 1, 1, 1024, 2, plan.INTERCONNECTS["nvlink4"])
+    # 4 and 8 ranks would split its 2 key/value heads: not offered
+    assert [line.split("|")[0].strip() for line in table.splitlines()[3:]] == ["1", "2"]
+
+
+def test_parse_interconnect():
+    assert plan.parse_interconnect("NVLink4").bandwidth == 450e9
+    custom = plan.parse_interconnect("alpha=300us,bw=1.5G")
+    assert (custom.latency_s, custom.bandwidth) == (pytest.approx(300e-6), 1.5e9)
+    with pytest.raises(ValueError, match="--interconnect"):
+        plan.parse_interconnect("carrier-pigeon")
+
+
+def test_plan_cli_tensor_parallel_rows(tiny_hf_dir, capsys):
+    assert main(["plan", "--model", str(tiny_hf_dir), "--hardware", "h100", "--max-k", "4",
+                 "--tensor-parallel-size", "2", "--interconnect", "alpha=10us,bw=100G"]) == 0
+    printed = capsys.readouterr().out
+    assert "tensor parallel over 2 x custom" in printed
+    assert "tensor parallel over custom (α = 10.0 us, β = 100.0 GB/s" in printed
+    assert main(["plan", "--model", str(tiny_hf_dir), "--hardware", "this-machine", "--tensor-parallel-size", "2"]) == 2
+    assert "needs named hardware" in capsys.readouterr().err

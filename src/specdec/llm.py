@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -19,11 +18,11 @@ from specdec.engine.engine import Engine, StepOutput
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence as EngineSequence
 from specdec.engine.sequence import TokenKind
-from specdec.engine.tensor_parallel import TensorParallelGroup, launch
+from specdec.engine.tensor_parallel import TensorParallelGroup
 from specdec.models.catalog import DEFAULT_MODEL
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
-from specdec.runtime import default_device, load_model
+from specdec.runtime import default_device, load_target
 
 
 @dataclass(frozen=True)
@@ -84,18 +83,14 @@ class LLM:
         self.spec_config = _as_spec_config(speculative_config)
         kv_dtype(kv_cache_dtype, torch.float32)  # an unknown name fails here, before any weights are loaded
         self.device = torch.device(device) if device else default_device()
-        if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if loaded is not None and tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size splits a model LLM loads; a loaded model is split already")
         self.parallel_group: TensorParallelGroup | None = None
-        if tensor_parallel_size > 1:
-            if loaded is not None:
-                raise ValueError("tensor_parallel_size splits a model LLM loads; a loaded model is split already")
-            self.model, self.tokenizer, self.parallel_group = launch(
-                tensor_parallel_size, functools.partial(load_model, model, weight_format, str(self.device)),
-                self.device)
+        if loaded is not None:
+            self.model, self.tokenizer = loaded
         else:
-            self.model, self.tokenizer = loaded if loaded is not None else load_model(model, weight_format,
-                                                                                      self.device)
+            self.model, self.tokenizer, self.parallel_group = load_target(model, weight_format, self.device,
+                                                                          tensor_parallel_size)
         self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
         if self.spec_config is not None and drafter is None:
             drafter = build_drafter(self.spec_config, self.model, self.tokenizer, weight_format=weight_format,

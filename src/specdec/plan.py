@@ -17,6 +17,11 @@ docs/draft-length.md for the derivations):
      "free rows" of (1) shrink. Dense models (all of ours) have no experts.
 The table gives expected tokens per step E(k) = (1 - α^(k+1)) / (1 - α) and the expected speed-up
 E(k) / (T(B·(k+1)) / T(B) + k·C), with T from the roofline model of named hardware or measured here.
+
+With --tensor-parallel-size N (named hardware) T is one rank's step: its 1/N of the layers' weights, heads and
+KV cache (the output layer whole, on rank 0, as specdec runs it), plus 2 all-reduces per layer of the step's
+[rows, hidden] activations, each costing α + 2(N-1)/N · bytes / β (a ring all-reduce; α the interconnect's latency
+for a small message, β its bandwidth per direction; --interconnect). A second table compares N = 1, 2, 4, 8.
 """
 from __future__ import annotations
 
@@ -72,6 +77,32 @@ HARDWARE = {
     ),
 }
 DTYPE_BYTES = {"int4": 0.5, "int8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """What one all-reduce costs between the ranks: α (latency of a small message, seconds) and β (bytes/s per
+    direction per GPU)."""
+
+    name: str
+    latency_s: float
+    bandwidth: float
+    source: str = ""
+
+
+INTERCONNECTS = {
+    "nvlink4": Interconnect(
+        "NVLink 4 (H100 SXM)", 8e-6, 450e9,
+        "NVIDIA H100 datasheet: NVLink 900 GB/s per GPU (450 GB/s per direction); NCCL all-reduce of small messages "
+        "on one NVSwitch node takes ~5-10 us (nccl-tests)"),
+    "pcie5": Interconnect(
+        "PCIe 5.0 x16", 15e-6, 50e9,
+        "PCIe 5.0 x16: 64 GB/s per direction raw, ~50 GB/s achieved; ~10-20 us per small all-reduce through the host"),
+    "100gbe": Interconnect(
+        "100 GbE (multi-node)", 30e-6, 12.5e9,
+        "100 Gb/s Ethernet = 12.5 GB/s per direction; RoCE round trips of ~10 us, a few per all-reduce"),
+}
+ACTIVATION_BYTES = 2  # bf16 activations in the all-reduces of a GPU engine
 # our weight formats: q8 stores int8 weights (+ row scales), q4 4-bit (+ block scales); auto is mostly q4 on
 # Q4_K files and q8 elsewhere, counted as int8 here (the upper bound)
 WEIGHT_FORMAT_DTYPE = {"auto": "int8", "q4": "int4", "q8": "int8", "fp32": "fp32"}
@@ -97,6 +128,29 @@ def parse_hardware(text: str) -> Hardware | None:
             f"--hardware must be one of {', '.join(HARDWARE)}, this-machine or bw=<bytes/s>,flops=<FLOP/s> "
             f"(e.g. bw=3.35T,flops=989T), got {text!r}"
         ) from error
+
+
+def parse_interconnect(text: str) -> Interconnect:
+    """nvlink4 | pcie5 | 100gbe -> the table; "alpha=8us,bw=450G" (seconds with us/ms suffixes, bytes/s with SI
+    suffixes) -> custom (e.g. what `python -m specdec.bench.tp_bench` measured here)."""
+    name = text.strip().lower()
+    if name in INTERCONNECTS:
+        return INTERCONNECTS[name]
+    try:
+        fields = dict(part.split("=", 1) for part in text.split(","))
+        return Interconnect("custom", _seconds(fields.pop("alpha")), _si_number(fields.pop("bw")),
+                            "given on the command line")
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"--interconnect must be one of {', '.join(INTERCONNECTS)} or alpha=<latency>,bw=<bytes/s> "
+                         f"(e.g. alpha=8us,bw=450G), got {text!r}") from error
+
+
+def _seconds(text: str) -> float:
+    text = text.strip().lower()
+    for suffix, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * scale
+    return float(text)
 
 
 def _si_number(text: str) -> float:
@@ -126,6 +180,14 @@ def expected_experts(tokens: int, top_r: int, num_experts: int) -> float:
     return num_experts * (1 - (1 - top_r / num_experts) ** tokens)
 
 
+def all_reduce_seconds(message_bytes: float, world_size: int, interconnect: Interconnect) -> float:
+    """One all-reduce of a message_bytes message over world_size ranks: α + 2(N-1)/N · bytes / β (a ring sends and
+    receives that share of the message on every link); 0 on one rank."""
+    if world_size == 1:
+        return 0.0
+    return interconnect.latency_s + 2 * (world_size - 1) / world_size * message_bytes / interconnect.bandwidth
+
+
 def tokens_per_step(alpha: float, k: int) -> float:
     """Expected tokens per verify step with a constant acceptance α: (1 - α^(k+1)) / (1 - α) (k + 1 at α = 1)."""
     return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
@@ -140,6 +202,8 @@ class ModelStats:
     num_kv_heads: int
     head_dim: int
     attended: Callable[[int], int] = field(repr=False)  # context -> sum over layers of positions attended
+    hidden_size: int = 0
+    output_params: int = 0  # of streamed_params, the output layer's (not split by tensor parallelism)
 
     @classmethod
     def of(cls, config: ModelConfig) -> ModelStats:
@@ -151,7 +215,8 @@ class ModelStats:
             return sum(min(context, config.sliding_window) if config.layer_type(i) == "sliding" else context
                        for i in range(config.num_layers))
 
-        return cls(streamed, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim, attended)
+        return cls(streamed, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim, attended,
+                   config.hidden_size, config.vocab_size * config.hidden_size)
 
     @property
     def group(self) -> int:
@@ -159,14 +224,60 @@ class ModelStats:
 
 
 def roofline_seconds(stats: ModelStats, hardware: Hardware, dtype: str, batch: int, tokens: int, context: int,
-                     kv_bytes: float) -> float:
-    """One forward of `batch` sequences x `tokens` new tokens each: max(bytes / bandwidth, FLOPs / peak)."""
+                     kv_bytes: float, world_size: int = 1) -> float:
+    """One forward of `batch` sequences x `tokens` new tokens each: max(bytes / bandwidth, FLOPs / peak); on
+    world_size ranks, rank 0's share (1/N of the layers' weights, heads and KV cache, the whole output layer),
+    without the all-reduces (`step_seconds`)."""
     rows = batch * tokens
     positions = stats.attended(context)
-    kv_read = batch * positions * 2 * stats.num_kv_heads * stats.head_dim * kv_bytes
-    weight_read = stats.streamed_params * DTYPE_BYTES[dtype]
-    flops = 2 * stats.streamed_params * rows + 4 * stats.num_heads * stats.head_dim * positions * rows
+    params = (stats.streamed_params - stats.output_params) / world_size + stats.output_params
+    kv_read = batch * positions * 2 * stats.num_kv_heads * stats.head_dim * kv_bytes / world_size
+    weight_read = params * DTYPE_BYTES[dtype]
+    flops = 2 * params * rows + 4 * stats.num_heads * stats.head_dim * positions * rows / world_size
     return max((weight_read + kv_read) / hardware.bandwidth, flops / hardware.peak_flops(dtype))
+
+
+@dataclass(frozen=True)
+class TensorParallelStep:
+    """One step of `batch` sequences x `tokens` new tokens on world_size ranks."""
+
+    world_size: int
+    compute_s: float  # rank 0's roofline
+    communication_s: float  # 2 all-reduces per layer
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.communication_s
+
+    @property
+    def communication_share(self) -> float:
+        return self.communication_s / self.seconds
+
+
+def tensor_parallel_step(stats: ModelStats, hardware: Hardware, dtype: str, batch: int, tokens: int, context: int,
+                         kv_bytes: float, world_size: int, interconnect: Interconnect) -> TensorParallelStep:
+    """Compute (roofline) plus communication (2 · layers all-reduces of [rows, hidden] activations) of one step;
+    the all-reduces are not overlapped with compute (each needs the layer's output before the next starts)."""
+    message = batch * tokens * stats.hidden_size * ACTIVATION_BYTES
+    return TensorParallelStep(world_size,
+                              roofline_seconds(stats, hardware, dtype, batch, tokens, context, kv_bytes, world_size),
+                              2 * stats.num_layers * all_reduce_seconds(message, world_size, interconnect))
+
+
+def tensor_parallel_table(stats: ModelStats, hardware: Hardware, dtype: str, batch: int, tokens: int, context: int,
+                          kv_bytes: float, interconnect: Interconnect, sizes=(1, 2, 4, 8)) -> str:
+    """Step time at each tensor-parallel size that divides the heads: compute, communication, its share, speed-up."""
+    steps = [tensor_parallel_step(stats, hardware, dtype, batch, tokens, context, kv_bytes, size, interconnect)
+             for size in sizes if stats.num_heads % size == 0 and stats.num_kv_heads % size == 0]
+    lines = [f"tensor parallel over {interconnect.name} (α = {interconnect.latency_s * 1e6:.1f} us, β = "
+             f"{interconnect.bandwidth / 1e9:.1f} GB/s; {interconnect.source}), {batch} x {tokens} rows per step:",
+             " N | compute ms | all-reduce ms | comm share | step ms | speed-up over N = 1",
+             "---|------------|---------------|------------|---------|--------------------"]
+    for step in steps:
+        lines.append(f"{step.world_size:2d} | {step.compute_s * 1e3:10.3f} | {step.communication_s * 1e3:13.3f} | "
+                     f"{step.communication_share:10.1%} | {step.seconds * 1e3:7.3f} | "
+                     f"{steps[0].seconds / step.seconds:19.2f}x")
+    return "\n".join(lines)
 
 
 # ---- the plan -----------------------------------------------------------------------------------------------
@@ -357,6 +468,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "4 beside fp32)",
     )
     parser.add_argument("--context", type=int, default=1024, help="cached tokens per sequence (roofline)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks the model is split over (named hardware): T adds 2 all-reduces per layer")
+    parser.add_argument("--interconnect", default="nvlink4",
+                        help="with --tensor-parallel-size: nvlink4 | pcie5 | 100gbe | alpha=8us,bw=450G")
     parser.add_argument("--max-k", type=int, default=16)
     parser.add_argument(
         "--data", default=os.environ.get("SPECDEC_DATA", "/work/shared/data"), help="prompts for --measure"
@@ -375,6 +490,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("need --batch >= 1, --max-k >= 0 and --alpha in [0, 1]")
     configure_threads(args.threads)
     hardware = parse_hardware(args.hardware)
+    interconnect = parse_interconnect(args.interconnect)
+    if args.tensor_parallel_size < 1 or (args.tensor_parallel_size > 1 and hardware is None):
+        raise ValueError("--tensor-parallel-size must be >= 1, and > 1 needs named hardware (a roofline); this "
+                         "machine's tensor-parallel costs: python -m specdec.bench.tp_bench")
     dtype = args.dtype or WEIGHT_FORMAT_DTYPE[args.weight_format]
     model, tokenizer = load_model(args.model, args.weight_format, "cpu")
     config = model.config
@@ -401,11 +520,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         ridge, kv_bytes = hardware.ridge_point(dtype), args.kv_bytes or 2.0
         stats = ModelStats.of(config)
-        step_cost = lambda tokens: roofline_seconds(stats, hardware, dtype, args.batch, tokens, args.context, kv_bytes)  # noqa: E731
+        step_cost = lambda tokens: tensor_parallel_step(  # noqa: E731
+            stats, hardware, dtype, args.batch, tokens, args.context, kv_bytes, args.tensor_parallel_size,
+            interconnect).seconds
         where = (f"{hardware.name} ({hardware.peak_flops(dtype) / 1e12:.0f} TFLOP/s {dtype}, "
                  f"{hardware.bandwidth / 1e12:.2f} TB/s; {hardware.source})")
+        if args.tensor_parallel_size > 1:
+            where += f", tensor parallel over {args.tensor_parallel_size} x {interconnect.name}"
     plan = analyse(config, step_cost, ridge, dtype, kv_bytes, args.batch, alpha, args.draft_cost, args.max_k)
     _print_plan(args, plan, where, per_position, forward, None if profile is None else profile.samples)
+    if hardware is not None and args.tensor_parallel_size > 1:
+        print()
+        print(tensor_parallel_table(ModelStats.of(config), hardware, dtype, args.batch, plan.recommended_k + 1,
+                                    args.context, kv_bytes, interconnect))
     if args.out:
         plot(plan, args.out, f"{args.model} on {args.hardware}, B = {args.batch}")
         print(f"[plot written to {args.out}]", file=sys.stderr)

@@ -1,10 +1,12 @@
 """Loading a model for inference: resolve a name or path, read the checkpoint, build the transformer."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
+from specdec.engine.tensor_parallel import TensorParallelGroup, launch
 from specdec.models.catalog import resolve_model
 from specdec.models.layers import check_weight_format
 from specdec.models.loader import load_checkpoint
@@ -35,3 +37,18 @@ def load_model(
     model = Transformer(checkpoint.config, checkpoint.tensors, weight_format=weight_format, device=device,
                         source=str(name_or_path), storage=checkpoint.storage, parallel=parallel)
     return model, checkpoint.tokenizer
+
+
+def load_target(
+    name_or_path: str, weight_format: str = "auto", device: torch.device | str = "cpu", tensor_parallel_size: int = 1,
+) -> tuple[Transformer, Tokenizer, TensorParallelGroup | None]:
+    """load_model, split over tensor_parallel_size processes when > 1: this process becomes rank 0 and holds its
+    shard, the others are spawned (engine/tensor_parallel.py); the caller closes the returned group (None: one
+    process)."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if tensor_parallel_size == 1:
+        return (*load_model(name_or_path, weight_format, device), None)
+    check_weight_format(weight_format)  # before any process starts
+    build = functools.partial(load_model, name_or_path, weight_format, str(torch.device(device)))
+    return launch(tensor_parallel_size, build, device)

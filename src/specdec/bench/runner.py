@@ -54,8 +54,11 @@ class BenchOptions:
     device: str | None = None
     plots: bool = True
     progress: bool = True
+    tensor_parallel_size: int = 1  # processes the target is split over (this one is rank 0)
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
         if self.max_new_tokens < 1:
@@ -92,6 +95,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="adaptive: k per step from acceptance and measured costs; fixed: always the method's k")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the target over N processes (gloo on CPU, NCCL on CUDA; docs/tensor-parallel.md)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -104,6 +109,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         peers=list(args.peer), categories=args.categories.split(",") if args.categories else None,
         threads=args.threads, weight_format=args.weight_format, draft_policy=args.draft_policy,
         max_model_len=args.max_model_len, device=args.device, plots=not args.no_plots, progress=not args.no_progress,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -111,7 +117,7 @@ def run_bench(options: BenchOptions, argv: list[str] | None = None) -> int:
     """Runs the benchmark, writes the outputs; returns 0, or EXIT_MISMATCH when one of our methods was not lossless."""
     from specdec.bench import report
     from specdec.kernels.report import announce_kernels
-    from specdec.runtime import configure_threads, default_device, load_model
+    from specdec.runtime import configure_threads, default_device, load_target
 
     threads = configure_threads(options.threads)
     questions = _load_all_questions(options)
@@ -119,11 +125,17 @@ def run_bench(options: BenchOptions, argv: list[str] | None = None) -> int:
     peers = _available_peers(options.peers)  # a missing package fails before the (slow) model load
     started = time.perf_counter()
     device = options.device or str(default_device())
-    loaded = load_model(options.model, options.weight_format, device)
+    model, tokenizer, parallel_group = load_target(options.model, options.weight_format, device,
+                                                   options.tensor_parallel_size)
+    loaded = (model, tokenizer)
     load_s = time.perf_counter() - started
     kernels = announce_kernels(device, options.weight_format, linear_bytes=loaded[0].linear_bytes())
-    peer_runners = _build_peer_runners(options, peers, specs, loaded[1], threads)
-    records, runner_descriptions = _run_rounds(options, questions, specs, loaded, peer_runners)
+    try:
+        peer_runners = _build_peer_runners(options, peers, specs, loaded[1], threads)
+        records, runner_descriptions = _run_rounds(options, questions, specs, loaded, peer_runners)
+    finally:
+        if parallel_group is not None:
+            parallel_group.close()
     mismatches = check_lossless(records)
     metadata = {**_metadata(options, specs, threads, load_s, argv, device), **kernels.to_dict()}
     results = report.build_results(metadata, runner_descriptions, records, mismatches)

@@ -219,13 +219,15 @@ class CommStats:
     layers and, on the leader, the commands it broadcast."""
 
     all_reduces: int = 0
-    all_reduce_s: float = 0.0
+    all_reduce_s: float = 0.0  # includes waiting for the slowest rank to reach the all-reduce
     all_reduce_bytes: int = 0  # bytes of the partial sums this rank contributed
     commands: int = 0
     command_s: float = 0.0
+    forwards: int = 0  # of the commands, forwards (TrunkCommand)
 
     def reset(self) -> None:
-        self.all_reduces, self.all_reduce_s, self.all_reduce_bytes, self.commands, self.command_s = 0, 0.0, 0, 0, 0.0
+        self.all_reduces, self.all_reduce_s, self.all_reduce_bytes = 0, 0.0, 0
+        self.commands, self.command_s, self.forwards = 0, 0.0, 0
 
 
 @dataclass(frozen=True)
@@ -352,6 +354,7 @@ class TensorParallel:
         self._broadcast(torch.tensor([len(data)], dtype=torch.int64))
         self._broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.comm.commands += 1
+        self.comm.forwards += isinstance(command, TrunkCommand)
         self.comm.command_s += time.perf_counter() - start
 
     def receive(self) -> Envelope:
