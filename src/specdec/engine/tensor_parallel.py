@@ -17,6 +17,7 @@ The drafter runs on the leader only, unsharded (a draft model is a separate sing
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -139,7 +140,10 @@ def serve_shard(model: Transformer) -> None:
     """A worker's loop: runs each command of the leader on this rank's shard until the stop command."""
     caches = _WorkerCaches(model, {}, {})
     while True:
-        envelope = model.parallel.receive()
+        try:
+            envelope = model.parallel.receive()
+        except RuntimeError:  # the leader closed its connections (it exited without the stop command)
+            return
         caches.apply(envelope)
         command = envelope.command
         if isinstance(command, StopCommand):
@@ -183,14 +187,15 @@ def _worker_main(rank: int, world_size: int, port: int, build_model: BuildModel,
 
 # ---- the launcher ---------------------------------------------------------------------------------------------------
 class TensorParallelGroup:
-    """The leader's handle on its worker processes; `close` stops them (also done when the leader exits: they are
-    daemon processes)."""
+    """The leader's handle on its worker processes; `close` stops them (called at the leader's exit if not before;
+    the workers are daemon processes besides)."""
 
     def __init__(self, parallel: TensorParallel, processes: list, restore_threads: int) -> None:
         self.parallel = parallel
         self.processes = processes
         self._restore_threads = restore_threads
         self.closed = False
+        atexit.register(self.close)
 
     @property
     def world_size(self) -> int:
@@ -201,6 +206,7 @@ class TensorParallelGroup:
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)
         if all(process.is_alive() for process in self.processes):
             self.parallel.send(StopCommand())
         for process in self.processes:
@@ -241,20 +247,17 @@ def launch(world_size: int, build_model: BuildModel, device: torch.device | str 
     restore_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     parallel = TensorParallel.connect(world_size, 0, port, device)
-    group = TensorParallelGroup(parallel, processes, restore_threads)
     try:
         model, tokenizer = build_model(parallel)
     except Exception:
         parallel.all_ok(False)
-        group.closed = True
         _reap(processes, restore_threads)
         raise
     if not parallel.all_ok(True):
-        group.closed = True
         _reap(processes, restore_threads)
         raise RuntimeError(f"a worker of the tensor-parallel group (size {world_size}) failed to build its shard; "
                            "its error is printed above")
-    return model, tokenizer, group
+    return model, tokenizer, TensorParallelGroup(parallel, processes, restore_threads)
 
 
 def _reap(processes: list, restore_threads: int) -> None:
