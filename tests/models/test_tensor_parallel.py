@@ -16,7 +16,7 @@ from specdec.cache.kv_cache import KVCache
 from specdec.config import SamplingParams
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine.engine import Engine
-from specdec.engine.tensor_parallel import engine_caches, launch
+from specdec.engine.tensor_parallel import launch, mirrored_caches
 from specdec.llm import LLM
 from specdec.models.batch import ForwardBatch
 from specdec.models.layers import Linear, TensorStorage
@@ -132,7 +132,7 @@ def generate(engine, prompt):
 
 def prefilled(model, prompts):
     """A cache (this rank's heads, mirrored on the workers) with each prompt but its last token in slot i."""
-    cache, _ = engine_caches(model, len(prompts), 128, torch.float16, 0)
+    cache, _ = mirrored_caches(model, len(prompts), 128, torch.float16, 0)
     model.forward(ForwardBatch.build([p[:-1] for p in prompts], [0] * len(prompts), list(range(len(prompts))),
                                      all_logits=False), cache)
     return cache
@@ -157,7 +157,7 @@ def test_a_rows_logits_are_the_same_alone_in_a_verify_block_and_beside_another_s
 def test_tp2_logits_are_close_to_tp1(tp_models, name):
     tp2, tp1 = tp_models[name]
     batch = ForwardBatch.build([LONG_PROMPT], [0], [0], all_logits=True)
-    cache_tp2, _ = engine_caches(tp2, 1, 64, torch.float16, 0)
+    cache_tp2, _ = mirrored_caches(tp2, 1, 64, torch.float16, 0)
     logits_tp2 = tp2.forward(batch, cache_tp2)  # [40, vocab]
     logits_tp1 = tp1.forward(batch, KVCache(tp1.config, 1, 64, dtype=torch.float16))
     row_diff = (logits_tp2 - logits_tp1).abs().amax(dim=-1) / logits_tp1.abs().max()  # [40] relative

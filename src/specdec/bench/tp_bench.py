@@ -175,7 +175,7 @@ def run_size(args: argparse.Namespace, size: int, prompts: list[str]) -> SizeRes
             row, outputs[method] = _timed(llm, size, method, token_lists, args.max_tokens, outputs.get("plain"))
             rows.append(row)
             print(f"[size {size} {method}: {row.ms_per_token:.1f} ms/token]", file=sys.stderr)
-        cache, _ = _logit_cache(model, len(token_lists[0]))
+        cache = _logit_cache(model, len(token_lists[0]))
         logits = model.forward(ForwardBatch.build([token_lists[0]], [0], [0], all_logits=True), cache)
         return SizeResult(size, rows, outputs, logits, model.config.hidden_size)
     finally:
@@ -184,9 +184,13 @@ def run_size(args: argparse.Namespace, size: int, prompts: list[str]) -> SizeRes
 
 
 def _logit_cache(model, length: int):
-    from specdec.engine.tensor_parallel import engine_caches
+    """A one-slot cache for `length` tokens (this rank's heads, mirrored on the other ranks)."""
+    from specdec.cache.kv_cache import KVCache
+    from specdec.engine.tensor_parallel import mirrored_caches
 
-    return engine_caches(model, 1, length + 1, model.kv_cache_dtype, 0)
+    if model.parallel is None:
+        return KVCache(model.config, 1, length + 1, model.device, dtype=model.kv_cache_dtype)
+    return mirrored_caches(model, 1, length + 1, model.kv_cache_dtype, 0)[0]
 
 
 def _timed(llm, size: int, method: str, token_lists: list[list[int]], max_tokens: int,

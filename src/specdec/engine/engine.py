@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.cache.kv_cache import KVCache
+from specdec.cache.prefix_store import PrefixCache
 from specdec.config import ACCEPTANCE_METHODS, DEFAULT_ACCEPTANCE, SamplingParams
 from specdec.drafters.base import Draft, Drafter, HiddenStateDrafter, verifies_trees
 from specdec.drafters.tree import DraftTree
@@ -36,7 +38,7 @@ from specdec.models.batch import ForwardBatch
 from specdec.engine.draft_length.policy import BatchDraftPolicy, DraftLengthPolicy, StepCost
 from specdec.engine.metrics import SpecDecodeMetrics
 from specdec.engine.sequence import Sequence, TokenKind, new_sequence
-from specdec.engine.tensor_parallel import engine_caches
+from specdec.engine.tensor_parallel import mirrored_caches
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
 from specdec.verify.exact import verify_exact, verify_exact_tree
@@ -118,9 +120,13 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        # this rank's heads; mirrored on the workers when the model is the leader of a tensor-parallel group
-        self.cache, self.prefix_cache = engine_caches(model, max_num_seqs, max_model_len,
-                                                      kv_cache_dtype or model.kv_cache_dtype, prefix_cache_tokens)
+        dtype = kv_cache_dtype or model.kv_cache_dtype
+        if model.parallel is None:
+            self.cache = KVCache(model.config, max_num_seqs, max_model_len, model.device, dtype=dtype)
+            self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        else:  # the leader of a tensor-parallel group: its heads, every operation mirrored on the other ranks
+            self.cache, self.prefix_cache = mirrored_caches(model, max_num_seqs, max_model_len, dtype,
+                                                            prefix_cache_tokens)
         self.drafter = drafter
         self._hidden_drafter = drafter if isinstance(drafter, HiddenStateDrafter) else None
         self.draft_policy = draft_policy or BatchDraftPolicy(num_speculative_tokens, max_verify_tokens)

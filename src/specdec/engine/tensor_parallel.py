@@ -101,13 +101,11 @@ class MirroredPrefixCache(PrefixCache):
                                   "under tensor parallelism the engine uses reuse and keep only")
 
 
-def engine_caches(model: Transformer, num_slots: int, max_len: int, dtype: torch.dtype,
-                  prefix_cache_tokens: int) -> tuple[KVCache, PrefixCache | None]:
-    """The engine's KV cache (this rank's heads) and prefix cache (None: off): mirrored on the workers when the
-    model is the leader of a tensor-parallel group."""
-    if model.parallel is None:
-        cache = KVCache(model.shard_config, num_slots, max_len, model.device, dtype=dtype)
-        return cache, PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+def mirrored_caches(model: Transformer, num_slots: int, max_len: int, dtype: torch.dtype,
+                    prefix_cache_tokens: int) -> tuple[MirroredKVCache, MirroredPrefixCache | None]:
+    """The leader's engine caches: its KV cache (its heads) and prefix cache (None: off), mirrored on the workers."""
+    if model.parallel is None or not model.parallel.is_leader:
+        raise ValueError("mirrored caches belong to the leader (rank 0) of a tensor-parallel group")
     cache = MirroredKVCache(model, num_slots, max_len, dtype)
     return cache, MirroredPrefixCache(model.parallel, prefix_cache_tokens) if prefix_cache_tokens else None
 
