@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -166,6 +167,9 @@ BuildModel = Callable[[TensorParallel], tuple[Transformer, Tokenizer | None]]
 
 def _worker_main(rank: int, world_size: int, port: int, build_model: BuildModel, device: str, threads: int) -> None:
     """A spawned rank: joins the group, builds its shard, tells every rank whether that worked, then serves."""
+    # Ctrl-C reaches the whole process group: the leader decides how to shut down and sends the stop command (or
+    # closes its connections by exiting)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     parallel = TensorParallel.connect(world_size, rank, port, device)
     try:
