@@ -29,6 +29,15 @@ def test_breakdown_times_every_kernel_and_restores_them(make_tiny_model):
     assert table.splitlines()[2].startswith("| whole forward |") and table.splitlines()[-1].startswith(f"| {REST} |")
 
 
+def test_breakdown_labels_q4_linears(make_tiny_model):
+    """A q4 layer (no dense or int8 weight) is timed under its own label: 'linear INxOUT q4'."""
+    model = make_tiny_model("llama", weight_format="q4", hidden_size=256, intermediate_size=512, num_heads=4,
+                            num_kv_heads=2, head_dim=64)
+    cache = KVCache(model.config, num_slots=1, max_len=64)
+    result = forward_breakdown(model, cache, cache.allocate(), context=8, rows=[1, 2], forwards=1, rounds=1)
+    assert {"linear 256x512 q4", "linear 256x1024 q4", "linear 512x256 q4"} <= set(result.parts)
+
+
 def test_timed_kernels_leaves_the_logits_unchanged(make_tiny_model):
     model = make_tiny_model("llama")
     cache = KVCache(model.config, num_slots=1, max_len=32)
