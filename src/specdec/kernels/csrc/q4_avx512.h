@@ -1,4 +1,4 @@
-// The q4 linear (see q4_scalar.h for the layout and the reduction order), AVX-512 VNNI: 4 weight rows x up to 3
+// The q4 linear (see q4_scalar.h for the layout and the reduction order), AVX-512 VNNI: 4 weight rows x up to 4
 // activation rows per tile. Included inside namespace avx512 after linear_avx512.h (finish_tile), before
 // q4_walk.h (the walk over tiles and row blocks). The amx path runs this code too.
 //
@@ -75,17 +75,22 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
       }
     }
   }
+  // the epilogue: the scales of the tile's NR rows first, then each activation row's lane scales and sums once,
+  // with every weight row (the order of the operations within each output element is the scalar path's)
+  __m512 ws[NR], wm[NR];
 #pragma GCC unroll 16
-  for (int n = 0; n < NR; ++n) {
-    __m512 ws, wm;
-    q4_lane_scales<NB>(scales + n * scale_row_bytes + kQ4UnitScaleBytes * u, ws, wm);
+  for (int n = 0; n < NR; ++n) q4_lane_scales<NB>(scales + n * scale_row_bytes + kQ4UnitScaleBytes * u, ws[n], wm[n]);
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m512 t = _mm512_mul_ps(wm, _mm512_loadu_ps(xsum + m * ldc + u * 16));
-      const __m512 inner = _mm512_fmsub_ps(ws, _mm512_cvtepi32_ps(ia[n][m]), t);
-      fa[n][m] = _mm512_fmadd_ps(_mm512_loadu_ps(xs + m * ldc + u * 16), inner, fa[n][m]);
+  for (int m = 0; m < MR; ++m) {
+    const __m512 x_scales = _mm512_loadu_ps(xs + m * ldc + u * 16);
+    const __m512 x_sums = _mm512_loadu_ps(xsum + m * ldc + u * 16);
+#pragma GCC unroll 16
+    for (int n = 0; n < NR; ++n) {
+      const __m512 t = _mm512_mul_ps(wm[n], x_sums);
+      const __m512 inner = _mm512_fmsub_ps(ws[n], _mm512_cvtepi32_ps(ia[n][m]), t);
+      fa[n][m] = _mm512_fmadd_ps(x_scales, inner, fa[n][m]);
     }
   }
 }
 
-constexpr int kQ4TileRows = 3;  // activation rows per tile
+constexpr int kQ4TileRows = 4;  // activation rows per tile
