@@ -1,6 +1,11 @@
 """q4 (GGUF Q4_K blocks, repacked): lossless import of Q4_K bytes, every vector path bitwise equal to the scalar
 path, bitwise row and thread invariance, accuracy against the dequantized weight, the torch fallback."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -158,6 +163,46 @@ def test_vector_path_matches_scalar_on_wide_outputs(vector_path):
     finally:
         torch.set_num_threads(old)
     assert torch.equal(vector, scalar)
+
+
+# run in a process of its own: the avx2 path reads SPECDEC_AVX_VNNI once per process
+_PLAIN_AVX2_SCRIPT = textwrap.dedent("""
+    import torch
+    from specdec.kernels import ops, q4
+
+    assert not ops._load().avx_vnni(), "SPECDEC_AVX_VNNI=0 left AVX-VNNI on"
+    g = torch.Generator().manual_seed(0)
+    for in_features in (256, 768, 1536, 8960):
+        for out_features in (5, 37):
+            s = in_features // 256
+            weight = q4.Q4Weight.from_blocks(q4.Q4Blocks(
+                torch.randint(0, 16, (out_features, in_features), generator=g, dtype=torch.uint8),
+                torch.randint(0, 64, (out_features, 8 * s), generator=g, dtype=torch.uint8),
+                torch.randint(0, 64, (out_features, 8 * s), generator=g, dtype=torch.uint8),
+                (torch.rand(out_features, s, generator=g) * 2e-3).to(torch.float16),
+                (torch.rand(out_features, s, generator=g) * 2e-3).to(torch.float16)))
+            x = torch.randn(13, in_features, generator=g)
+            x[::5, :: in_features // 5] *= 30.0
+            bias = torch.randn(out_features, generator=g)
+            for m in (1, 2, 3, 4, 5, 8, 13):
+                with ops.forced_isa("avx2"):
+                    y = q4.q4_linear(x[:m], weight, bias)
+                with ops.forced_isa("scalar"):
+                    y_scalar = q4.q4_linear(x[:m], weight, bias)
+                assert torch.equal(y, y_scalar), (in_features, out_features, m)
+    print("ok")
+""")
+
+
+def test_plain_avx2_code_matches_scalar():
+    """The avx2 path's code without AVX-VNNI (vpmaddubsw, vpmaddwd), which a CPU with AVX-VNNI runs only when
+    SPECDEC_AVX_VNNI=0: bitwise the scalar path's results too."""
+    if "avx2" not in ops.supported_isas():
+        pytest.skip("this CPU cannot run the avx2 kernels")
+    env = {**os.environ, "SPECDEC_AVX_VNNI": "0"}
+    done = subprocess.run([sys.executable, "-c", _PLAIN_AVX2_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("in_features,out_features", [(256, 37), (768, 130), (2048, 64), (8960, 22)])

@@ -15,7 +15,8 @@
 //   csrc/linear_avx2.h     the int8 linear, vnni layout, AVX2 (and again with AVX-VNNI where the CPU has it)
 //   csrc/linear_amx.h      the int8 linear, amx layout (AMX tiles, and AVX-512 VNNI for few rows)
 //   csrc/q4_scalar.h       the 4-bit linear (q4, GGUF Q4_K blocks): its layout, reduction order and scalar path
-//   csrc/q4_avx512.h, q4_avx2.h, q4_walk.h   ... its vector paths (the amx path runs the avx512 one), their walk
+//   csrc/q4_avx512.h, q4_avx2.h, q4_walk.h   ... its vector paths (the amx path runs the avx512 one; q4_avx2.h
+//                          is compiled again with AVX-VNNI, as linear_avx2.h), their walk
 //   csrc/linear.h, q4_linear.h, attention.h, rowwise.h   the entry points
 // This file includes them in order (the vector paths inside their own namespace and target) and binds them.
 
@@ -27,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -69,6 +71,8 @@ namespace avx2_vnni {
 #include "csrc/simd_avx2.h"
 #include "csrc/linear_avx2.h"
 #include "csrc/linear_walk.h"
+#include "csrc/q4_avx2.h"
+#include "csrc/q4_walk.h"
 #undef SPECDEC_AVX_VNNI
 }  // namespace avx2_vnni
 #pragma GCC pop_options
@@ -136,6 +140,7 @@ int64_t parallel_threads(int64_t n) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "int8 weight x Q8_0 activation linear (row invariant)");
   m.def("q4_linear", &q4_linear, "4-bit weight (Q4_K blocks) x Q8_0 activation linear (row invariant)");
+  m.def("avx_vnni", &cpu_has_avx_vnni, "whether the avx2 path runs its AVX-VNNI variant (CPU, SPECDEC_AVX_VNNI)");
   m.def("attention", &attention, "range attention (row invariant), optionally followed by extra keys per row",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("key_start"),
         py::arg("key_end"), py::arg("scale"), py::arg("extra_keys") = py::none());

@@ -22,10 +22,16 @@ inline bool cpu_has_avx2() {
 #endif
 }
 
-// AVX-VNNI: the 256-bit vpdpbusd, VEX-encoded (the avx2 path's int8 linear uses it where present)
+// AVX-VNNI: the 256-bit vpdpbusd, VEX-encoded (the avx2 path's int8 and 4-bit linears use it where present).
+// SPECDEC_AVX_VNNI=0 in the environment turns it off (read once per process), so that the tests also run the avx2
+// path's plain code on a CPU that has AVX-VNNI.
 inline bool cpu_has_avx_vnni() {
 #ifdef SPECDEC_X86
-  static const bool ok = cpu_has_avx2() && __builtin_cpu_supports("avxvnni");
+  static const bool ok = [] {
+    const char* setting = std::getenv("SPECDEC_AVX_VNNI");
+    if (setting != nullptr && std::strcmp(setting, "0") == 0) return false;
+    return cpu_has_avx2() && __builtin_cpu_supports("avxvnni");
+  }();
   return ok;
 #else
   return false;

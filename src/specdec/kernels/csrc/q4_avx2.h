@@ -7,7 +7,9 @@
 // activations (-127..127) and adds adjacent pairs into int16, |pair| <= 2 * 15 * 127 = 3810, so it never
 // saturates, and the 2 * NB / 4 <= 8 pair vectors of a unit add up in int16 without overflow (8 * 3810 = 30480 <
 // 32767). One vpmaddwd with ones per unit then gives each lane's int32 sum of its 4-byte groups: the very
-// int32 of the avx512 path, before the same fp32 epilogue.
+// int32 of the avx512 path, before the same fp32 epilogue. On CPUs with AVX-VNNI (Zen 4 and later, Alder Lake and
+// later) this file is compiled a second time with SPECDEC_AVX_VNNI (namespace avx2_vnni): there the 256-bit
+// vpdpbusd adds each 4-byte group's products into the lane's int32 directly, the same exact int32.
 
 // The exact scales of lanes 8h .. 8h + 7 of one weight row's unit of NB sub-blocks: ws = d * sc, wm = dmin * m.
 template <int NB>
@@ -47,7 +49,7 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
   const uint8_t* wp = W + b0 * 16 * NR;  // the unit's first chunk
   const int8_t* xp = X + b0 * 32;
   const __m256i low_nibble = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // (the vpmaddwd that sums the pairs)
   if (pf) {
 #pragma GCC unroll 4
     for (int j = 0; j < kChunks; ++j)
@@ -59,7 +61,7 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
   for (int h = 0; h < 2; ++h) {
 #pragma GCC unroll 2
     for (int n0 = 0; n0 < NR; n0 += NP) {
-      __m256i pair_sums[NP][MR];  // int16 sums of the unit's vpmaddubsw pairs
+      __m256i pair_sums[NP][MR];  // int16 sums of the unit's vpmaddubsw pairs (with AVX-VNNI: the int32 lane dots)
 #pragma GCC unroll 2
       for (int q = 0; q < NP; ++q)
 #pragma GCC unroll 4
@@ -81,8 +83,13 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K + (j + kChunks) * 64 + 32 * h));
 #pragma GCC unroll 2
           for (int q = 0; q < NP; ++q) {
+#ifdef SPECDEC_AVX_VNNI
+            pair_sums[q][m] = _mm256_dpbusd_avx_epi32(pair_sums[q][m], w_low[q], x_low);
+            pair_sums[q][m] = _mm256_dpbusd_avx_epi32(pair_sums[q][m], w_high[q], x_high);
+#else
             pair_sums[q][m] = _mm256_add_epi16(pair_sums[q][m], _mm256_maddubs_epi16(w_low[q], x_low));
             pair_sums[q][m] = _mm256_add_epi16(pair_sums[q][m], _mm256_maddubs_epi16(w_high[q], x_high));
+#endif
             // keep the sum in its register (as the int8 linear's avx2 unit: left free, the compiler reassociated
             // the unrolled additions into trees held in spilled registers)
             asm("" : "+x"(pair_sums[q][m]));
@@ -95,7 +102,11 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
         q4_lane_scales<NB>(scales + (n0 + q) * scale_row_bytes + kQ4UnitScaleBytes * u, h, ws, wm);
 #pragma GCC unroll 4
         for (int m = 0; m < MR; ++m) {
+#ifdef SPECDEC_AVX_VNNI
+          const __m256i idot = pair_sums[q][m];
+#else
           const __m256i idot = _mm256_madd_epi16(pair_sums[q][m], ones);
+#endif
           const __m256 t = _mm256_mul_ps(wm, _mm256_loadu_ps(xsum + m * ldc + u * 16 + 8 * h));
           const __m256 inner = _mm256_fmsub_ps(ws, _mm256_cvtepi32_ps(idot), t);
           __m256& acc = lanes_half(fa[n0 + q][m], h);

@@ -1,6 +1,7 @@
 // The q4 linear's entry point (see q4_scalar.h for the weight layout and the reduction order): checks, activation
 // quantization, threading and the dispatch to the kernel path. The amx path runs the avx512 code (the 4-bit
-// weights have no AMX tile kernel); a CPU without AVX-512 runs the avx2 or the scalar code.
+// weights have no AMX tile kernel); a CPU without AVX-512 runs the avx2 code (its AVX-VNNI variant where the CPU
+// has AVX-VNNI) or the scalar code.
 
 // Activation rows [m0, m1) quantized for q4: xq [M, K] in the vnni layout (as q8_linear's), and per row and unit
 // lane (ldc = L.U * 16 per row) the fp32 scale of the lane's block (xs) and the fp32 sum of the lane's int8
@@ -23,10 +24,14 @@ void quantize_rows_q4(QuantizeUnit quantize_unit, const float* x, int64_t K, con
       else
         scatter_unit<2>(q, qu);
       for (int l = 0; l < 16; ++l) {
+        xs[m * ldc + u * 16 + l] = d[l / s];
+        if (s == 1) {  // the lane holds its whole block: its sum is the block's
+          xsum[m * ldc + u * 16 + l] = static_cast<float>(block_sums[l]);
+          continue;
+        }
         int32_t lane_sum = 0;
         for (int j = 0; j < nb / 2; ++j)
           for (int i = 0; i < 4; ++i) lane_sum += qu[j * 64 + l * 4 + i];
-        xs[m * ldc + u * 16 + l] = d[l / s];
         xsum[m * ldc + u * 16 + l] = static_cast<float>(lane_sum);
       }
     }
@@ -73,6 +78,7 @@ torch::Tensor q4_linear(const torch::Tensor& x_in, const torch::Tensor& quants, 
   const Q4Activations act = q4_activations_scratch(M, K, ldc);
   const float* xp = in.x.data_ptr<float>();
   const Isa isa = active_isa();
+  const bool avx2_vnni = isa == Isa::avx2 && cpu_has_avx_vnni();  // the avx2 path's vpdpbusd (VEX) variant
   const QuantizeUnit quantize_unit = pick_quantize_unit(isa);
   parallel_rows(M, M * K, [&](int64_t a, int64_t b) {
     quantize_rows_q4(quantize_unit, xp, K, L, a, b, act.q, act.scales, act.sums);
@@ -96,6 +102,8 @@ torch::Tensor q4_linear(const torch::Tensor& x_in, const torch::Tensor& quants, 
       const int64_t m1 = std::min(M, m0 + mb);
       if (at_least(isa, Isa::avx512))  // and amx, which has no tile kernel of this layout
         avx512::q4_linear_block(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
+      else if (avx2_vnni)
+        avx2_vnni::q4_linear_block(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
       else if (isa == Isa::avx2)
         avx2::q4_linear_block(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
       else
