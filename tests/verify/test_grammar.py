@@ -90,3 +90,25 @@ def test_guided_with_ignore_eos_needs_a_stop_token():
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(guided=GuidedDecoding(json_object=True), ignore_eos=True)
     SamplingParams(guided=GuidedDecoding(json_object=True), ignore_eos=True, stop_token_ids=(3,))
+
+
+def test_warm_up_builds_the_tokenizer_view_once(tmp_path):
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.verify.grammar import has_ll_tokenizer, ll_tokenizer, start_warm_up
+    from tiny_models import write_tiny_tokenizer
+
+    tokenizer = Tokenizer.from_hf_dir(write_tiny_tokenizer(tmp_path))  # fresh: no view cached for it yet
+    assert not has_ll_tokenizer(tokenizer, VOCAB)
+    start_warm_up(tokenizer, VOCAB).join(60)
+    assert has_ll_tokenizer(tokenizer, VOCAB) and not has_ll_tokenizer(tokenizer, VOCAB + 1)
+    view = ll_tokenizer(tokenizer, VOCAB)
+    assert ll_tokenizer(tokenizer, VOCAB) is view  # the cached view, not a new build
+
+
+def test_grammar_time_counts_every_call_once(tiny_tokenizer):
+    m = matcher(tiny_tokenizer, regex="(ab|cd)+e")
+    m.masks_along(ids(tiny_tokenizer, "abc"), 4)  # allowed() inside is not counted twice
+    assert m.masks_computed == 4 and 0 < m.mask_time_s <= m.grammar_time_s
+    before = m.grammar_time_s
+    assert m.advance(ids(tiny_tokenizer, "a")[0])
+    assert m.grammar_time_s > before and m.masks_computed == 4
