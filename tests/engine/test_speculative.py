@@ -147,8 +147,9 @@ def sampled_counts(model, tokenizer, drafter, params=CHI_PARAMS, acceptance="rej
 
 
 def chi_square_p_value(counts, joint):
+    """Pearson's chi-square of the sampled (t2, t3) pairs against joint; cells expecting fewer than 5 are pooled."""
     cells = list(itertools.product(range(SMALL_VOCAB), repeat=2))
-    expected = torch.tensor([float(joint[c]) for c in cells]) * CHI_SAMPLES
+    expected = torch.tensor([float(joint[c]) for c in cells]) * sum(counts.values())
     observed = torch.tensor([float(counts[c]) for c in cells])
     big = expected >= 5  # pool the rare cells into one
     expected_bins = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
