@@ -37,3 +37,46 @@ def test_generate_rejects_an_unknown_kv_cache_dtype(tiny_model_dir, capsys):
         main(["generate", "--model", str(tiny_model_dir), "--kv-cache-dtype", "bf16", "hi"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'bf16'" in capsys.readouterr().err
+
+
+def test_generate_constrains_to_a_json_schema_file_with_penalties(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    argv = ["generate", "--model", str(tiny_model_dir), "--max-tokens", "40", "--threads", "2", "--json-schema",
+            str(schema_file), "--presence-penalty", "0.5", "--frequency-penalty", "0.2", "--repetition-penalty", "1.1",
+            "--min-p", "0.05", "--min-tokens", "2", "--temperature", "0.8", "--seed", "1", "give me JSON"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "finish: stop" in captured.err
+    jsonschema.validate(json.loads(captured.out), schema)
+
+
+def test_generate_options_reach_the_sampling_params(tmp_path):
+    from specdec.cli import build_parser, generate_params
+    from specdec.config import GuidedDecoding, SamplingParams
+
+    grammar_file = tmp_path / "g.lark"
+    grammar_file.write_text('start: "yes" | "no"')
+    args = build_parser().parse_args(["generate", "--grammar", str(grammar_file), "--presence-penalty", "0.5",
+                                      "--frequency-penalty", "0.2", "--repetition-penalty", "1.1", "--min-p", "0.05",
+                                      "--min-tokens", "2", "--max-tokens", "7", "--stop", "x", "hi"])
+    assert generate_params(args) == SamplingParams(max_tokens=7, stop=("x",), presence_penalty=0.5,
+                                                   frequency_penalty=0.2, repetition_penalty=1.1, min_p=0.05,
+                                                   min_tokens=2, guided=GuidedDecoding(lark='start: "yes" | "no"'))
+    args = build_parser().parse_args(["generate", "--regex", "[0-9]+", "hi"])
+    assert generate_params(args).guided == GuidedDecoding(regex="[0-9]+")
+
+
+def test_generate_takes_one_constraint_and_an_existing_file(tiny_model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--regex", "a+", "--grammar", "g.lark", "hi"])
+    assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_model_dir), "--json-schema", str(tmp_path / "missing.json"),
+                 "hi"]) == 2
+    assert "missing.json" in capsys.readouterr().err

@@ -35,6 +35,12 @@ def _add_format_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache: auto = float16 with q4/q8 weights, float32 with fp32 weights")
 
 
+def _add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the target over N processes (gloo on CPU, NCCL on CUDA), each with cores/N "
+                             "threads; docs/tensor-parallel.md")
+
+
 def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     from specdec.models.catalog import DEFAULT_MODEL
 
@@ -50,6 +56,21 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="subtracted from the logit of every token the output holds (0 = off)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="subtracted once per occurrence of a token in the output (0 = off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="tokens of the prompt or output: positive logits divided by it, negative ones multiplied "
+                             "(1 = off)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens below min-p times the most likely token's probability (0 = off)")
+    parser.add_argument("--min-tokens", type=int, default=0, help="end of sequence banned before this many tokens")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching this JSON Schema file")
+    constraint.add_argument("--regex", help="the whole output matches this regular expression")
+    constraint.add_argument("--grammar", metavar="FILE", help="the output follows this grammar file (llguidance's "
+                                                              "Lark dialect)")
     parser.add_argument(
         "--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\''
     )
@@ -66,6 +87,7 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
         help="adaptive: k per step from acceptance and measured costs (<= num_speculative_tokens); fixed: always k",
     )
     _add_format_args(parser)
+    _add_tensor_parallel_arg(parser)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default=None)
@@ -84,6 +106,20 @@ def _stream_printer(llm, show_drafts: bool):
     return on_output
 
 
+def generate_params(args: argparse.Namespace):
+    """`specdec generate`'s SamplingParams (the constraint files read here)."""
+    from pathlib import Path
+
+    from specdec.llm import sampling_params_from
+
+    read = lambda path: Path(path).read_text(encoding="utf-8") if path else None
+    return sampling_params_from(None, dict(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, min_p=args.min_p,
+        min_tokens=args.min_tokens, json_schema=read(args.json_schema), regex=args.regex, grammar=read(args.grammar)))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.config import SamplingParams
     from specdec.kernels.report import announce_kernels
@@ -91,12 +127,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.runtime import configure_threads
 
     configure_threads(args.threads)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    params = generate_params(args)  # before the model loads: a bad option or constraint file stops here
     started = time.perf_counter()
     llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
               kv_cache_dtype=args.kv_cache_dtype,
-              max_model_len=args.max_model_len, max_num_seqs=1, device=args.device, draft_policy=args.draft_policy)
+              max_model_len=args.max_model_len, max_num_seqs=1, device=args.device, draft_policy=args.draft_policy,
+              tensor_parallel_size=args.tensor_parallel_size)
     print(f"[loaded {args.model} in {time.perf_counter() - started:.1f} s]", file=sys.stderr)
     announce_kernels(llm.model.device, args.weight_format, linear_bytes=llm.model.linear_bytes())
     plain = None
@@ -198,6 +234,15 @@ def serve_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Server
     )
 
 
+def serve_llm_options(args: argparse.Namespace) -> dict:
+    """The `LLM(...)` arguments of `specdec serve`'s engine (each replica's, with --replicas)."""
+    extra = {} if args.max_verify_tokens is None else {"max_verify_tokens": args.max_verify_tokens}
+    return dict(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
+                kv_cache_dtype=args.kv_cache_dtype, prefix_cache_tokens=args.prefix_cache_tokens,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device,
+                draft_policy=args.draft_policy, tensor_parallel_size=args.tensor_parallel_size, **extra)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
@@ -210,12 +255,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = serve_config(args, os.environ)  # a bad limit stops the start before the model loads
     configure_server_logging(args.log_level)
+    if args.replicas is not None:  # N engines behind one endpoint, on Ray (server/replicas.py)
+        from specdec.server.replicas import serve_replicas
+
+        return serve_replicas(args, config, serve_llm_options(args))
     configure_threads(args.threads)
-    extra = {} if args.max_verify_tokens is None else {"max_verify_tokens": args.max_verify_tokens}
-    llm = LLM(model=args.model, speculative_config=args.speculative_config, weight_format=args.weight_format,
-              kv_cache_dtype=args.kv_cache_dtype, prefix_cache_tokens=args.prefix_cache_tokens,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, device=args.device,
-              draft_policy=args.draft_policy, **extra)
+    llm = LLM(**serve_llm_options(args))
     app = create_app(llm, config)
     announce_kernels(llm.model.device, args.weight_format, linear_bytes=llm.model.linear_bytes())
     print(f"[serving {app.state.server.model_name} on http://{args.host}:{args.port}]", file=sys.stderr)
@@ -274,7 +319,12 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="model id clients send (default: MODEL as given)")
     _add_server_limit_args(parser)
     _add_format_args(parser)
-    parser.add_argument("--threads", type=int, default=None)
+    _add_tensor_parallel_arg(parser)
+    from specdec.server.replicas import add_replica_arguments
+
+    add_replica_arguments(parser)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (with --replicas: per replica; default: the cores divided among them)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--log-level", default="info")
 

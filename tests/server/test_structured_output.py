@@ -57,3 +57,24 @@ def test_schema_the_grammar_engine_refuses_is_400(ngram_server):
     response = chat(ngram_server, response_format=bad)
     assert response.status_code == 400, response.text
     assert "constraint" in response.json()["error"]["message"]
+
+
+def test_the_server_builds_the_grammar_tokenizer_view_when_it_starts(make_tiny_model, tmp_path):
+    """A fresh tokenizer (none of the other tests' cached views): its llguidance view exists once the server's
+    warm-up thread ends, before any constrained request."""
+    from server_helpers import start_server, tiny_llm
+    from specdec.models.tokenizer import Tokenizer
+    from specdec.verify.grammar import has_ll_tokenizer
+    from tiny_models import write_tiny_tokenizer
+
+    tokenizer = Tokenizer.from_hf_dir(write_tiny_tokenizer(tmp_path))
+    llm = tiny_llm(make_tiny_model, tokenizer)
+    vocab_size = llm.model.config.vocab_size
+    assert not has_ll_tokenizer(tokenizer, vocab_size)
+    server = start_server(llm)
+    try:
+        server.state.grammar_warm_up.join(60)
+        assert not server.state.grammar_warm_up.is_alive()
+        assert has_ll_tokenizer(tokenizer, vocab_size)
+    finally:
+        server.stop()

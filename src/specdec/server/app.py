@@ -16,6 +16,7 @@ import asyncio
 import hmac
 import logging
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specdec.config import GuidedDecoding
 from specdec.engine.engine import StepOutput
 from specdec.kernels.report import kernel_report
 from specdec.server.engine_loop import EngineLoop, RequestFailed, RequestHandle, WatchdogConfig, shutting_down_error
@@ -40,6 +42,8 @@ from specdec.server.protocol import (APIError, ChatCompletionRequest, Completion
                                      RequestLimits, TokenizeChatRequest, TokenizeCompletionRequest, bad_request,
                                      parse_request, parse_tokenize_request, resolve_max_tokens, sampling_params)
 from specdec.server.responses import ChatBuilder, CompletionBuilder, ResponseBuilder, sse
+from specdec.server.tool_calls import ToolCallSetup, tags_are_tokens
+from specdec.verify.grammar import start_warm_up
 
 logger = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).with_name("static")  # the playground page (plain HTML/JS/CSS)
@@ -114,6 +118,7 @@ class PreparedPrompt:
     prompt_ids: list[int]
     requested_max_tokens: int | None
     builder: ResponseBuilder
+    tool_guided: GuidedDecoding | None = None  # the constraint tool_choice "required" or a named function asks for
 
 
 class ServerState:
@@ -130,6 +135,7 @@ class ServerState:
         self.loop = EngineLoop(self.engine, self.metrics, config.max_queue, config.watchdog)
         self.prompt_pool = ThreadPoolExecutor(config.prompt_threads, thread_name_prefix="specdec-prompt")
         self.shutdown_deadline_s: float | None = None  # set when a shutdown begins (GracefulServer)
+        self.grammar_warm_up: threading.Thread | None = None  # builds the grammar engine's tokenizer view at start
         self.kernels = kernel_report(getattr(llm.model, "device", "cpu"), getattr(llm.model, "weight_format", "q8"),
                                      llm.model.linear_bytes() if hasattr(llm.model, "linear_bytes") else None)
 
@@ -161,10 +167,13 @@ class ServerState:
         return PreparedPrompt(prompt_ids, body.max_tokens, builder)
 
     def prepare_chat(self, body: ChatCompletionRequest) -> PreparedPrompt:
-        prompt_ids = self.chat_prompt_ids(body)
+        tools = body.tool_setup()
+        prompt_ids = self.chat_prompt_ids(body, tools)
         builder = ChatBuilder(f"chatcmpl-{uuid.uuid4().hex}", self.model_name, self.tokenizer, len(prompt_ids),
-                              body.return_token_ids, body.return_token_kinds)
-        return PreparedPrompt(prompt_ids, body.requested_max_tokens(), builder)
+                              body.return_token_ids, body.return_token_kinds,
+                              tool_parser=tools.parser() if tools else None)
+        tool_guided = tools.guided(tags_are_tokens(self.tokenizer)) if tools else None
+        return PreparedPrompt(prompt_ids, body.requested_max_tokens(), builder, tool_guided)
 
     def completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -177,9 +186,15 @@ class ServerState:
             raise bad_request(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
         return list(prompt)
 
-    def chat_prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_prompt_ids(self, body: ChatCompletionRequest, tools: ToolCallSetup | None) -> list[int]:
+        messages = body.template_messages()
+        tool_list = list(tools.tools) if tools else None
         try:
-            ids = self.tokenizer.encode_chat(body.template_messages())
+            if tool_list and (self.tokenizer.apply_chat_template(messages, tools=tool_list)
+                              == self.tokenizer.apply_chat_template(messages)):
+                raise bad_request("this model's chat template does not render tools, so the model cannot be told "
+                                  "about them; send tool_choice 'none' or no tools", "tools", "tools_not_supported")
+            ids = self.tokenizer.encode_chat(messages, tools=tool_list)
         except APIError:
             raise
         except Exception as error:  # noqa: BLE001 - template errors (raise_exception, bad roles) are the client's
@@ -204,7 +219,8 @@ class ServerState:
         if isinstance(body, TokenizeChatRequest):
             try:
                 text = self.tokenizer.apply_chat_template(body.template_messages(),
-                                                          add_generation_prompt=body.add_generation_prompt)
+                                                          add_generation_prompt=body.add_generation_prompt,
+                                                          tools=body.template_tools())
             except Exception as error:  # noqa: BLE001 - template errors are the client's
                 raise bad_request(f"could not apply the chat template: {error}", "messages") from None
         else:
@@ -238,7 +254,7 @@ class ServerState:
             max_tokens = resolve_max_tokens(prepared.requested_max_tokens, len(prepared.prompt_ids),
                                             self.max_model_len)
             params = sampling_params(body, max_tokens, body.num_logprobs(), self.limits,
-                                     self.engine.model.config.vocab_size)
+                                     self.engine.model.config.vocab_size, prepared.tool_guided)
             handle = RequestHandle(prepared.builder.request_id, prepared.prompt_ids, params, body.speculative,
                                    asyncio.get_running_loop())
             reservation.submit(handle)
@@ -401,6 +417,9 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # any request may ask for constrained output (response_format): the grammar engine's view of the tokenizer is
+        # built now, beside the server, instead of during the first such request's step
+        state.grammar_warm_up = start_warm_up(state.tokenizer, state.engine.model.config.vocab_size)
         state.loop.start()
         try:
             yield
