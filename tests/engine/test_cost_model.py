@@ -1,6 +1,7 @@
 """Cost model: expected accepted length, the k that maximises tokens per second on synthetic timings, the
 batch-aware row budget (knee of T), profiling within a wall-clock budget and learning T(n) online (synthetic
 timings on a fake clock), and the JSON profile cache."""
+import os
 from pathlib import Path
 
 import pytest
@@ -520,3 +521,22 @@ def test_learned_samples_are_not_saved_from_a_busy_window(tmp_path, monkeypatch)
     learner.observe(1, 0.011)
     learner.observe(8, 0.012)
     assert learner.save_if_due() is not None  # a quiet window: saved
+
+
+def test_own_cpu_time_counts_the_live_processes_we_started(monkeypatch):
+    """A tensor-parallel rank is a child process working for us: its CPU time is not other processes' load."""
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/task").exists():
+        pytest.skip("no /proc on this system")
+    before = profile_store._own_cpu_s()
+    burn = ("import time, sys\nwhile time.process_time() < 0.4: pass\nprint('burnt', flush=True)\n"
+            "sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "burnt"  # it used 0.4 s of CPU and is still alive
+        assert child.pid in profile_store._descendants(os.getpid())
+        assert profile_store._own_cpu_s() - before >= 0.3  # /proc counts whole clock ticks
+    finally:
+        child.communicate("")

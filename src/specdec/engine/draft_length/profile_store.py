@@ -93,9 +93,36 @@ def _machine_busy_s() -> float | None:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def _descendants(pid: int) -> list[int]:
+    """The live processes pid started, and theirs (/proc/PID/task/TID/children), e.g. tensor-parallel ranks."""
+    found = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            children = [int(child) for child in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
+    return found
+
+
+def _process_cpu_s(pid: int) -> float:
+    """utime + stime of a live process (/proc/PID/stat), 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14 and 15 of stat(5)
+
+
 def _own_cpu_s() -> float:
+    """CPU time of this process and the live processes it started (its tensor-parallel ranks use the CPU for it)."""
     times = os.times()
-    return times.user + times.system
+    return times.user + times.system + sum(_process_cpu_s(pid) for pid in _descendants(os.getpid()))
 
 
 @dataclass
