@@ -1,7 +1,7 @@
 """Replicas against threads: the load script against `specdec serve --replicas R --threads T`, one server at a time.
 
     python -m specdec.bench.replica_bench --model gemma-3-270m --configs 1x2,2x1 --methods plain,ngram \\
-        --concurrency 1,2,4,8,16 --requests 32 --max-tokens 128 --category summarization --output replica_bench.json
+        --concurrency 1,2,4,8,16 --requests 32 --max-tokens 128 --category summarization
 
 For each method (plain, or ngram with --ngram-config) and configuration, in that order:
 - `RxT` starts `specdec serve MODEL --replicas R --threads T --max-num-seqs S/R` (S = --total-slots, so that every
@@ -148,8 +148,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--category", default="summarization")
     parser.add_argument("--serve-args", default="--max-model-len 2048", help="more `specdec serve` options")
     parser.add_argument("--start-timeout", type=float, default=600.0)
-    parser.add_argument("--work-dir", default="replica_bench", help="server logs and per-run load reports")
-    parser.add_argument("--output", default="replica_bench.json")
+    parser.add_argument("--work-dir", default="bench_results/replica-bench",
+                        help="server logs and per-run load reports")
+    parser.add_argument("--output", default="bench_results/replica-bench/replica_bench.json")
     return parser.parse_args(argv)
 
 
@@ -167,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": args.model, "category": args.category, "max_tokens": args.max_tokens,
               "requests_per_level": args.requests, "total_slots": args.total_slots, "cores": cores,
               "commit": git_commit(), "runs": runs}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.output}", file=sys.stderr)
     return 1 if any(level["errors"] or level["malformed"] for run in runs for level in run["levels"]) else 0
