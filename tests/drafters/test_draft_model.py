@@ -184,3 +184,42 @@ def test_catch_up_tokens_count_what_the_first_forward_feeds_beyond_a_steady_step
     # a later prompt sharing the stored prefix only catches up on the rest
     drafter.add_request("b", SHARED + [50, 51, 52, 53, 54], SamplingParams(), None)
     assert drafter.catch_up_tokens("b") == 5 - 2  # copies SHARED from the store, feeds its other 5 tokens
+
+
+@pytest.mark.parametrize("num_branches", [1, 3])
+def test_a_constrained_request_drafts_only_allowed_tokens(make_tiny_model, num_branches):
+    """With a constraint, the draft model's chain is drawn from its logits masked by allowed_after(chain so far),
+    which sees each prefix in turn; an unconstrained request of the same prompt drafts forbidden tokens."""
+    model = make_tiny_model("llama")
+    vocab = model.config.vocab_size
+    prompt = [1, 5, 9, 2]
+    free = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, num_branches=num_branches)
+    free.add_request("r", prompt, SamplingParams(max_tokens=8), None)
+    unconstrained = free.propose(["r"], [6])[0].token_ids
+    forbidden = set(unconstrained)  # everything the unconstrained draft proposes is forbidden
+    seen_prefixes = []
+
+    def allowed_after(prefix):
+        seen_prefixes.append(tuple(prefix))
+        allowed = torch.ones(vocab, dtype=torch.bool)
+        allowed[list(forbidden)] = False
+        return allowed
+
+    drafter = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64, num_branches=num_branches)
+    drafter.add_request("r", prompt, SamplingParams(max_tokens=8), None)
+    drafter.constrain("r", allowed_after)
+    draft = drafter.propose(["r"], [6])[0]
+    assert len(draft.token_ids) == 6 and draft.tree is None  # a chain, whatever num_branches
+    assert not forbidden & set(draft.token_ids)
+    assert seen_prefixes == [tuple(draft.token_ids[:depth]) for depth in range(6)]
+
+
+def test_a_constraint_that_allows_nothing_leaves_the_draft_as_it_was(make_tiny_model):
+    model = make_tiny_model("llama")
+    prompt = [1, 5, 9, 2]
+    free = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64)
+    free.add_request("r", prompt, SamplingParams(max_tokens=8), None)
+    drafter = DraftModelDrafter(model, max_num_seqs=1, max_model_len=64)
+    drafter.add_request("r", prompt, SamplingParams(max_tokens=8), None)
+    drafter.constrain("r", lambda prefix: torch.zeros(model.config.vocab_size, dtype=torch.bool))
+    assert drafter.propose(["r"], [4])[0].token_ids == free.propose(["r"], [4])[0].token_ids

@@ -303,9 +303,15 @@ def cut_sampled_drafts(original):
 def test_powered_chi_square_passes_the_engine_and_rejects_its_bug(power_joints, constrained_models, tiny_tokenizer,
                                                                   monkeypatch, bug):
     """The engine's rejection sampling (draft model, k = 1) passes; with sampled drafts cut it is rejected, and its
-    counts fit the enumerated buggy joint (so the enumeration that gives the power is the bug's distribution)."""
+    counts fit the enumerated buggy joint (so the enumeration that gives the power is the bug's distribution).
+    The draft model drafts without the grammar here (as a drafter that ignores `constrain` does), so that its
+    drafts hit forbidden tokens: the case the engine must handle."""
+    from specdec.drafters.base import Drafter
+    from specdec.drafters.draft_model import DraftModelDrafter
+
     masked, buggy, _ = power_joints
     target, draft, _ = constrained_models
+    monkeypatch.setattr(DraftModelDrafter, "constrain", Drafter.constrain)
     if bug:
         monkeypatch.setattr(engine_module, "_within_grammar", cut_sampled_drafts(engine_module._within_grammar))
     counts = sampled_counts(target, tiny_tokenizer, chi_square_drafter("draft_model", draft), k=1,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +70,9 @@ class DrafterCostDescription:
     forward_per_draft_token: bool = False
 
 
+AllowedAfter = Callable[[Sequence[int]], torch.Tensor]  # draft prefix -> [vocab] bool, the tokens allowed next
+
+
 class Drafter(ABC):
     """One instance serves a whole batch of requests, each identified by its request id."""
 
@@ -96,6 +99,12 @@ class Drafter(ABC):
     @abstractmethod
     def remove_request(self, request_id: str) -> None:
         """The request finished; drafters with a cross-request cache keep its tokens there."""
+
+    def constrain(self, request_id: str, allowed_after: AllowedAfter) -> None:
+        """The request's output is constrained: allowed_after(draft prefix) -> [vocab] bool gives the tokens allowed
+        after the committed tokens and that prefix. A drafter that proposes from a distribution masks it with this,
+        so that its drafts stay within the constraint; the default keeps drafting as before (the engine cuts a draft
+        at its first forbidden token either way, so this is about wasted draft work, never about exactness)."""
 
     def catch_up_tokens(self, request_id: str) -> int:
         """Committed tokens the drafter must ingest before it can draft for the request, beyond what a request

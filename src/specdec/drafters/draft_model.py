@@ -34,7 +34,7 @@ import torch
 from specdec.cache.kv_cache import KVCache
 from specdec.cache.prefix_store import PrefixCache, common_prefix_length
 from specdec.config import SamplingParams
-from specdec.drafters.base import Draft, Drafter, DrafterCostDescription
+from specdec.drafters.base import AllowedAfter, Draft, Drafter, DrafterCostDescription
 from specdec.drafters.tree_growth import depth_batches, new_growth
 from specdec.drafters.tree import check_tree_args
 from specdec.models.batch import ForwardBatch
@@ -57,6 +57,8 @@ class _DraftState:
     prefix_saved: bool = False  # its prompt's draft-cache entries went to the prefix store
     # the prefix store's match for token_ids while nothing is cached: (store version, len(token_ids), match length)
     prefix_match: tuple[int, int, int] | None = None
+    allowed_after: AllowedAfter | None = None  # a constrained request's grammar: draft prefix -> [vocab] bool
+    drafted: list[int] = field(default_factory=list)  # the chain drafted so far in the current proposal
 
 
 class DraftModelDrafter(Drafter):
@@ -86,6 +88,10 @@ class DraftModelDrafter(Drafter):
                     noise: RequestNoise | None) -> None:
         self.states[request_id] = _DraftState(self.cache.allocate(), params, noise, list(prompt_token_ids),
                                               len(prompt_token_ids))
+
+    def constrain(self, request_id: str, allowed_after: AllowedAfter) -> None:
+        """Drafts for the request are chains drawn from the draft model's logits masked by the constraint."""
+        self.states[request_id].allowed_after = allowed_after
 
     def observe(self, request_id: str, token_ids: Sequence[int]) -> None:
         state = self.states[request_id]
@@ -145,9 +151,12 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, request_ids: Sequence[str], max_draft_tokens: Sequence[int]) -> list[Draft]:
         states = [self.states[request_id] for request_id in request_ids]
+        for state in states:
+            state.drafted = []
         growths = [new_growth(len(state.token_ids), budget, state.params.greedy,
                               lambda logits, depth, state=state: self._draft_token(state, logits, depth),
-                              self.num_branches, self.min_branch_prob, self.cache.max_len)
+                              1 if state.allowed_after is not None else self.num_branches, self.min_branch_prob,
+                              self.cache.max_len)
                    for state, budget in zip(states, max_draft_tokens)]
         # Depth 0 feeds every token the draft cache lacks; later depths feed each draft's newest rows.
         active = [i for i, budget in enumerate(max_draft_tokens) if budget > 0]
@@ -199,15 +208,32 @@ class DraftModelDrafter(Drafter):
             state.cached_token_ids.extend(tokens)
         return logits
 
-    @staticmethod
-    def _draft_token(state: _DraftState, logits: torch.Tensor, depth: int) -> tuple[int, torch.Tensor | None]:
+    def _draft_token(self, state: _DraftState, logits: torch.Tensor, depth: int) -> tuple[int, torch.Tensor | None]:
         """logits [1, vocab] at `depth` of the chain -> (draft token, its draft distribution [1, vocab] or None for
         greedy). A sampled draft is the inverse cumulative distribution of the draft's processed probabilities at
         the request's draft number of its output index: under exact acceptance plain decoding's u_t, so that the
-        draft lands on the target's draw whenever the two distributions agree around u_t."""
+        draft lands on the target's draw whenever the two distributions agree around u_t. A constrained request's
+        logits are masked with the tokens its grammar allows after the chain so far (none allowed: left as they are,
+        and the engine cuts the draft there)."""
+        if state.allowed_after is not None:
+            logits = self._within_constraint(state, logits)
         if state.params.greedy:
-            return int(greedy_tokens(logits)[0]), None
-        probs = logits_to_probs(logits, state.params)  # [1, vocab]
-        output_index = len(state.token_ids) - state.prompt_length + depth
-        return sample_one(probs, state.noise.draft(output_index)), probs
+            token_id, probs = int(greedy_tokens(logits)[0]), None
+        else:
+            probs = logits_to_probs(logits, state.params)  # [1, vocab]
+            output_index = len(state.token_ids) - state.prompt_length + depth
+            token_id = sample_one(probs, state.noise.draft(output_index))
+        state.drafted.append(token_id)
+        return token_id, probs
+
+    @staticmethod
+    def _within_constraint(state: _DraftState, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, vocab] with the tokens the constraint forbids after state.drafted at -inf (unchanged when
+        that leaves nothing: the engine then cuts the draft at this token)."""
+        allowed = state.allowed_after(state.drafted).to(logits.device)  # [target vocab] bool
+        width = logits.shape[-1]
+        if allowed.shape[0] < width:  # rows of the draft model's embedding beyond the target's vocabulary
+            allowed = torch.cat([allowed, allowed.new_zeros(width - allowed.shape[0])])
+        masked = logits.float().masked_fill(~allowed[:width], float("-inf"))  # [1, vocab]
+        return masked if bool(torch.isfinite(masked).any()) else logits
 

@@ -234,6 +234,8 @@ class Engine:
         if seq.speculative:
             start = time.perf_counter()
             self.drafter.add_request(seq.request_id, seq.prompt_token_ids, seq.params, seq.noise)
+            if seq.grammar is not None:
+                self.drafter.constrain(seq.request_id, seq.grammar.allowed_after)
             seq.metrics.draft_time_s += time.perf_counter() - start
         return seq
 

@@ -88,6 +88,9 @@ class HiddenRecorder(HiddenStateDrafter):
     def propose(self, request_ids, max_draft_tokens):
         return self.inner.propose(request_ids, max_draft_tokens)
 
+    def constrain(self, request_id, allowed_after) -> None:
+        self.inner.constrain(request_id, allowed_after)
+
     def observe(self, request_id, token_ids) -> None:
         self.inner.observe(request_id, token_ids)
 

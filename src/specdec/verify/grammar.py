@@ -223,6 +223,22 @@ class GrammarMatcher:
         masks += [masks[-1]] * (rows - len(masks))
         return torch.stack(masks)
 
+    def allowed_after(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """[vocab] bool: the mask after the committed tokens and then token_ids, for a drafter that drafts within the
+        grammar; nothing allowed when token_ids hold an end token or a token the grammar forbids (the engine cuts
+        the draft there anyway). The committed state is restored."""
+        consumed = 0
+        try:
+            for token_id in token_ids:
+                if token_id in self.end_token_ids or self._matcher.validate_tokens([token_id]) != 1:
+                    return torch.zeros(self.vocab_size, dtype=torch.bool)
+                self._matcher.consume_token(token_id)
+                consumed += 1
+            return self.allowed()
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
+
     def _consume(self, token_ids: Sequence[int]) -> int:
         for token_id in token_ids:
             self._matcher.consume_token(token_id)
