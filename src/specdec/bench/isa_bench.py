@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.bench.provenance import cpu_name
 from specdec.bench.runtime_bench import forward_cost_curve
 from specdec.config import SamplingParams
 from specdec.kernels import ops
@@ -36,13 +36,6 @@ DECODE_PROMPT = "Write a detailed explanation of how a hash map works, including
 PREFILL_WORDS = 760  # about 1000 tokens of the repeated passage below
 PASSAGE = ("The council met on Tuesday to discuss the new park, its playground, its pond and its garden, and the "
            "residents asked how the budget of the city would pay for the work that the plan describes. ")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def prefill_token_ids(llm: LLM) -> list[int]:

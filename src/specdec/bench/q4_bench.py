@@ -12,12 +12,11 @@ Also: the RMS error of quantize_q4's scale search against a plain min/max grid.
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 
 import torch
 
 from specdec.bench.kernel_bench import _interleaved_median_times, _rotating
+from specdec.bench.provenance import cpu_name
 from specdec.kernels import ops, q4
 
 # (model, in_features, out_features)
@@ -28,16 +27,6 @@ SHAPES = [
     ("Gemma-3-270M", 640, 2048),
     ("Gemma-3-270M", 2048, 640),
 ]
-
-
-def cpu_name() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _formats(weight: torch.Tensor) -> dict:

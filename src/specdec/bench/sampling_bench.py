@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec.bench.provenance import run_metadata
 from specdec.config import ACCEPTANCE_METHODS, SamplingParams
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -267,34 +267,11 @@ def exact_rows_identical(rows: list[Row]) -> bool:
     return all(row.identical_fraction == 1.0 for row in rows if row.acceptance == "exact")
 
 
-def cpu_name() -> str:
-    """lscpu's model name; /proc/cpuinfo's, or platform.processor(), where lscpu is missing."""
-    import platform
-
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
-    except (OSError, subprocess.SubprocessError):
-        text = ""
-    if not text and Path("/proc/cpuinfo").exists():
-        text = Path("/proc/cpuinfo").read_text()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() == "model name" and value.strip():
-            return value.strip()
-    return platform.processor() or "unknown"
-
-
 def metadata(setup: BenchSetup, threads: int, kernels: dict[str, Any], argv: list[str] | None,
              prompts: list[tuple[str, list[int]]]) -> dict[str, Any]:
-    import torch
-
-    from specdec.bench.runner import _git_commit
-
     return {"setup": asdict(setup), "questions": [question for question, _ in prompts],
-            "seeds": [setup.seed + i for i in range(len(prompts))], "draft_policy": "fixed", "threads": threads,
-            "cpu": cpu_name(), "torch_version": torch.__version__, "git_commit": _git_commit(),
-            "command_line": list(argv) if argv is not None else sys.argv,
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **kernels}
+            "seeds": [setup.seed + i for i in range(len(prompts))], "draft_policy": "fixed",
+            **run_metadata(threads, kernels, argv)}
 
 
 def run(setup: BenchSetup, loaded, datasets: list[str], threads: int, kernels: dict[str, Any],

@@ -755,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
         report = asyncio.run(soak.run())
     finally:
         stopped = stop_server(server) if server else None
-    from specdec.bench.q4_bench import cpu_name  # imports torch: only once the server has stopped
+    from specdec.bench.provenance import cpu_name
 
     report.update(cpu=cpu_name(), commit=commit, date=time.strftime("%Y-%m-%d"),
                   speculative_config=json.loads(args.speculative_config) if args.speculative_config else None,

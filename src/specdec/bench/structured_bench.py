@@ -46,7 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdec.bench.sampling_bench import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET, cpu_name
+from specdec.bench.provenance import run_metadata
+from specdec.bench.sampling_bench import DEFAULT_DRAFT_MODEL, DEFAULT_TARGET
 from specdec.config import DRAFT_POLICIES, GuidedDecoding, SamplingParams
 
 DEFAULT_DATASET = "../shared/data/spec_bench_dev.jsonl"
@@ -410,19 +411,13 @@ def setup_from_args(args: argparse.Namespace) -> BenchSetup:
 def run(setup: BenchSetup, loaded, threads: int, kernels: dict[str, Any],
         argv: list[str] | None = None) -> dict[str, Any]:
     """Builds the LLMs on the loaded target, runs every prompt through them; returns the results document."""
-    import torch
-
-    from specdec.bench.runner import _git_commit
-
     prompts = load_prompts(setup.dataset, setup.per_category, setup.tool_prompts, setup.limit, setup.categories)
     llms = build_llms(loaded, setup)
     warm_up(llms, loaded[1])
     records = run_prompts(llms, prompts, loaded[1], setup.max_tokens)
     rows = summarize(records)
-    metadata = {"setup": asdict(setup), "prompts": [prompt.key for prompt in prompts], "threads": threads,
-                "cpu": cpu_name(), "torch_version": torch.__version__, "git_commit": _git_commit(),
-                "command_line": list(argv) if argv is not None else sys.argv,
-                "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **kernels}
+    metadata = {"setup": asdict(setup), "prompts": [prompt.key for prompt in prompts],
+                **run_metadata(threads, kernels, argv)}
     return {"metadata": metadata, "rows": [asdict(row) for row in rows],
             "failures": failures(records, kernels["bit_exact"]), "records": records}
 

@@ -288,7 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.bench.isa_bench import cpu_name
+    from specdec.bench.provenance import cpu_name
     from specdec.bench.runner import _git_commit
 
     args = parse_args(argv)
