@@ -18,6 +18,16 @@ MAX_MODEL_LEN = 128
 MODEL = "tiny-llama"
 
 
+
+def metric_samples(text: str) -> dict[str, float]:
+    """Every sample of a Prometheus text, keyed 'name{label="value",...}' (parsed with prometheus_client)."""
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
 @dataclass
 class RunningServer:
     url: str
@@ -35,13 +45,7 @@ class RunningServer:
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed 'name{label="value",...}' (parsed with prometheus_client)."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
+        return metric_samples(httpx.get(self.url + "/metrics", timeout=10).text)
 
     def status(self) -> dict:
         return httpx.get(self.url + "/status", timeout=10).json()

@@ -4,8 +4,8 @@ import asyncio
 import json
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from server_helpers import metric_samples
 from specdec.server.router import (REPLICA_HEADER, ReplicaAddress, ReplicaPool, ReplicaState, ReplicaUnavailable,
                                    Router, RouterConfig, affinity_key, choose_replica, create_router_app,
                                    merge_metric_texts, render_families, rendezvous_order)
@@ -74,22 +74,13 @@ specdec:num_requests_running {running}
 """
 
 
-def samples(text: str) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return out
-
-
 def test_metrics_are_summed_and_earlier_incarnations_kept():
     texts = [REPLICA_METRICS.format(tokens=10, fast=1, count=2, seconds=0.75, running=1),
              REPLICA_METRICS.format(tokens=5, fast=3, count=3, seconds=1.5, running=2)]
     retired = {"specdec:generation_tokens": {"specdec:generation_tokens_total": 100.0},
                "specdec:num_requests_running": {"specdec:num_requests_running": 7.0}}  # a gauge: not kept
     text = render_families(merge_metric_texts(texts, retired))
-    merged = samples(text)
+    merged = metric_samples(text)
     assert merged["specdec:generation_tokens_total"] == 115
     assert merged['specdec:e2e_request_latency_seconds_bucket{le="0.5"}'] == 4
     assert merged['specdec:e2e_request_latency_seconds_bucket{le="+Inf"}'] == 5
