@@ -213,9 +213,8 @@ class GrammarMatcher:
         masks = [self.allowed()]
         consumed = 0
         for token_id in token_ids[: rows - 1]:
-            if token_id in self.end_token_ids or self._matcher.validate_tokens([token_id]) != 1:
+            if not self._consume_if_valid(token_id):
                 break
-            self._matcher.consume_token(token_id)
             consumed += 1
             masks.append(self.allowed())
         if consumed:
@@ -230,14 +229,20 @@ class GrammarMatcher:
         consumed = 0
         try:
             for token_id in token_ids:
-                if token_id in self.end_token_ids or self._matcher.validate_tokens([token_id]) != 1:
+                if not self._consume_if_valid(token_id):
                     return torch.zeros(self.vocab_size, dtype=torch.bool)
-                self._matcher.consume_token(token_id)
                 consumed += 1
             return self.allowed()
         finally:
             if consumed:
                 self._matcher.rollback(consumed)
+
+    def _consume_if_valid(self, token_id: int) -> bool:
+        """Consumes token_id when the grammar allows it and it is no end token (a draft continues past neither)."""
+        if token_id in self.end_token_ids or self._matcher.validate_tokens([token_id]) != 1:
+            return False
+        self._matcher.consume_token(token_id)
+        return True
 
     def _consume(self, token_ids: Sequence[int]) -> int:
         for token_id in token_ids:
