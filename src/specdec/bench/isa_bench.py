@@ -1,14 +1,15 @@
 """The kernel paths and weight formats side by side, in one process, with llama.cpp on the same GGUF in the same run.
 
     python -m specdec.bench.isa_bench --models gemma-3-270m --isas avx2,avx512 [--weight-formats auto,q8]
-        [--llama-bench PATH | --llama-cpp] [--threads 2]
+        [--llama-bench [LABEL=]PATH ... | --llama-cpp] [--threads 2]
 
 For each model and each kernel path this CPU runs (`--isas`, default all but scalar): plain greedy decode tok/s
 (128 tokens), prefill tok/s of a ~1000-token prompt, and the cost of one forward of 1 and of 8 new tokens after
 256 cached tokens (T(1), T(8), their ratio). The paths alternate within each of `--rounds` rounds (each in turn
-first) and the table gives medians, so a machine's slow minutes fall on every path alike. With `--llama-bench`,
-llama.cpp's
-`llama-bench -t THREADS -p 0 -n 128` (decode) and `-p 1024 -n 0` (prefill) on the model's GGUF follow each round.
+first) and the table gives medians, so a machine's slow minutes fall on every path alike. With `--llama-bench`
+(repeatable, `LABEL=PATH`: e.g. `avx2=.peers/llama.cpp/build-avx2/bin/llama-bench` and `native=...` as
+scripts/install-peers.sh builds them), each llama.cpp build's `llama-bench -t THREADS -p 0 -n 128` (decode) and
+`-p 1024 -n 0` (prefill) on the model's GGUF follow each round, and every path gets its ratio to each build.
 `--llama-cpp` measures llama.cpp through llama-cpp-python in this process instead (the same decode prompt's
 token ids, greedy, 128 tokens; the same prefill tokens). Each weight format (`--weight-formats`, default the
 default, auto) is a model of its own; the weights are packed once in the layout of the first path (the "amx"
@@ -106,7 +107,9 @@ def bench_model(name: str, isas: list[str], args: argparse.Namespace, threads: i
             llms[weight_format] = LLM(model=name, max_model_len=2048, max_num_seqs=1, weight_format=weight_format)
     variants = [(isa, weight_format) for weight_format in formats for isa in isas]
     rounds: dict[str, list[dict[str, float]]] = {_label(*variant, formats): [] for variant in variants}
-    peer: list[dict[str, float]] = []
+    peers: dict[str, list[dict[str, float]]] = {label: [] for label in args.llama_bench}
+    if args.llama_cpp:
+        peers["llama-cpp-python"] = []
     llama_cache: dict = {}
     any_llm = llms[formats[0]]
     decode_ids = any_llm.encode_prompt(DECODE_PROMPT, chat=True)
@@ -116,16 +119,32 @@ def bench_model(name: str, isas: list[str], args: argparse.Namespace, threads: i
         for isa, weight_format in variants[shift:] + variants[:shift]:
             with ops.forced_isa(isa):
                 rounds[_label(isa, weight_format, formats)].append(measure_path(llms[weight_format], args.max_tokens))
-        if args.llama_bench:
-            peer.append(llama_bench(args.llama_bench, resolve_model(name), threads))
-        elif args.llama_cpp:
-            peer.append(llama_cpp_python(resolve_model(name), decode_ids, prefill_ids, args.max_tokens, threads,
-                                         llama_cache))
-    medians = {isa: {key: statistics.median(r[key] for r in rows) for key in rows[0]} for isa, rows in rounds.items()}
-    row = {"model": name, "paths": medians}
-    if peer:
-        row["llama_cpp"] = {key: statistics.median(r[key] for r in peer) for key in peer[0]}
+        for label, binary in args.llama_bench.items():
+            peers[label].append(llama_bench(binary, resolve_model(name), threads))
+        if args.llama_cpp:
+            peers["llama-cpp-python"].append(llama_cpp_python(resolve_model(name), decode_ids, prefill_ids,
+                                                              args.max_tokens, threads, llama_cache))
+    row = {"model": name, "paths": _medians(rounds), "llama_cpp": _medians(peers)}
     return row
+
+
+def _medians(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per label, the median of each measured figure over the rounds."""
+    return {label: {key: statistics.median(r[key] for r in rows) for key in rows[0]} for label, rows in rounds.items()}
+
+
+def parse_llama_bench(values: list[str]) -> dict[str, str]:
+    """`[LABEL=]PATH` arguments as {label: path}; an unlabelled one is "llama.cpp"."""
+    binaries = {}
+    for value in values:
+        label, _, path = value.rpartition("=")
+        label = label or "llama.cpp"
+        if label in binaries:
+            raise SystemExit(f"--llama-bench: the label {label!r} is given twice")
+        if not Path(path).is_file():
+            raise SystemExit(f"--llama-bench: no llama-bench binary at {path} (scripts/install-peers.sh builds one)")
+        binaries[label] = path
+    return binaries
 
 
 def _label(isa: str, weight_format: str, formats: list[str]) -> str:
@@ -133,21 +152,21 @@ def _label(isa: str, weight_format: str, formats: list[str]) -> str:
 
 
 def print_row(row: dict) -> None:
-    peer = row.get("llama_cpp")
+    peers = row["llama_cpp"]
     print(f"\n## {row['model']}")
     print("| path | decode tok/s | prefill tok/s | T(1) ms | T(8) ms | T(8)/T(1) |"
-          + (" decode / llama.cpp | prefill / llama.cpp |" if peer else ""))
-    print("|---|---|---|---|---|---|" + ("---|---|" if peer else ""))
+          + "".join(f" decode / {label} | prefill / {label} |" for label in peers))
+    print("|---|---|---|---|---|---|" + "---|---|" * len(peers))
     for isa, m in row["paths"].items():
         line = (f"| {isa} | {m['decode_tok_s']:.1f} | {m['prefill_tok_s']:.0f} | {m['t1_ms']:.2f} | {m['t8_ms']:.2f} | "
                 f"{m['t8_ms'] / m['t1_ms']:.2f} |")
-        if peer:
+        for peer in peers.values():
             line += (
                 f" {m['decode_tok_s'] / peer['decode_tok_s']:.2f} | {m['prefill_tok_s'] / peer['prefill_tok_s']:.2f} |"
             )
         print(line)
-    if peer:
-        print(f"| llama.cpp | {peer['decode_tok_s']:.1f} | {peer['prefill_tok_s']:.0f} | | | |" + " | |")
+    for label, peer in peers.items():
+        print(f"| {label} | {peer['decode_tok_s']:.1f} | {peer['prefill_tok_s']:.0f} | | | |" + " | |" * len(peers))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,10 +177,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--weight-formats", default="auto", help="weight formats, comma-separated (auto, q4, q8)")
-    parser.add_argument("--llama-bench", default=None, help="path of llama.cpp's llama-bench binary")
+    parser.add_argument("--llama-bench", action="append", default=[],
+                        help="[LABEL=]PATH of a llama.cpp llama-bench binary (repeatable)")
     parser.add_argument("--llama-cpp", action="store_true", help="llama.cpp through llama-cpp-python instead")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
+    args.llama_bench = parse_llama_bench(args.llama_bench)
     threads = configure_threads(args.threads)
     isas = args.isas.split(",") if args.isas else [isa for isa in ops.supported_isas() if isa != "scalar"] or ["scalar"]
     print(f"{cpu_name()}, torch {torch.__version__}, {threads} threads, kernel paths {', '.join(isas)}")
