@@ -487,6 +487,57 @@ def test_probes_catch_up_only_when_the_request_can_repay_it(tiny_tokenizer):
     assert set(probes(4)[10:]) == {0}
 
 
+# A draft model at 0.45 of the target's decode step per draft token (Qwen2.5-Coder 0.5B for 1.5B), whose first draft
+# prefills a 300-token prompt (150 ms). At the fixed prior (0.7) the best k, 1, saves 2.3 ms per step, 135 ms over
+# a request's 100 tokens: not enough; a surely accepted draft token saves 5.3 ms per step, 265 ms.
+COSTLY_DRAFTER = CostModel(ForwardCosts.linear(0.010, 0.02),
+                           DrafterCost(per_token_s=0.0045, batched=True, catch_up_per_token_s=0.0005))
+
+
+def test_a_first_draft_is_made_while_no_request_has_measured_acceptance(tiny_tokenizer):
+    """Weighed at the fixed prior, the catch-up vetoed every first draft, so a draft model never drafted and its
+    acceptance was never measured (Qwen-1.5B with its 0.5B draft model: 0 drafts in 128 tokens on every HumanEval
+    prompt). Until some request has measured it, the first draft is weighed as a probe; after that the learned
+    estimates decide."""
+    policy = AdaptiveDraftPolicy(4, COSTLY_DRAFTER)
+    first = seq_with_tokens_left(tiny_tokenizer, "first", 100)
+    assert policy.draft_lengths([first], 1, [300]) == [1]
+    first.metrics.record_step(1, 0)  # its drafts miss
+    for _ in range(3):
+        k = policy.draft_lengths([first], 1, [0])[0]
+        if k:
+            first.metrics.record_step(k, 0)
+    later = seq_with_tokens_left(tiny_tokenizer, "later", 100)
+    assert policy.draft_lengths([later], 1, [300]) == [0]  # the first request's measured acceptance: not worth it
+
+
+def test_a_request_whose_catch_up_is_vetoed_is_probed(tiny_tokenizer):
+    """A vetoed draft leaves the request at k = 0 as surely as an allocation of 0 does: it is probed every
+    reprobe_interval steps (it was never probed: the allocation said k > 0, so its steps at zero were not counted)."""
+    policy = AdaptiveDraftPolicy(4, COSTLY_DRAFTER, reprobe_interval=4)
+    policy.population.alphas = [0.7] * 4  # some earlier request measured acceptance
+    policy.population.requests = [1] * 4
+    seq = seq_with_tokens_left(tiny_tokenizer, "0", 100)
+    assert policy.cost_model.allocate([policy.estimate(seq).table(4)], 1, 4, 32, [3]) == [1]
+    lengths = [policy.draft_lengths([seq], 1, [300])[0] for _ in range(10)]
+    assert lengths == [0, 0, 0, 1, 1, 0, 0, 0, 1, 1]  # vetoed at the estimate; two-step probes are kept
+
+
+def test_a_draft_model_is_priced_at_one_forward_per_draft_token():
+    """k draft tokens cost k draft-model forwards: the first also feeds the committed tokens, so there is no
+    forward per step besides (counting one made k = 1 cost two forwards, which kept a draft model off). One
+    Medusa forward gives every head's token: a cost per step, none per token."""
+    from specdec.drafters.base import DrafterCostDescription
+    from specdec.engine.draft_length.adaptive import _estimated_drafter_cost
+
+    forward = ForwardCosts.linear(0.040, 0.02)
+    per_position = _estimated_drafter_cost(DrafterCostDescription(400, True), forward, 1000)
+    assert per_position.per_step_s == 0 and per_position.per_token_s == pytest.approx(0.016)
+    assert per_position([3]) == pytest.approx(3 * 0.016)
+    per_step = _estimated_drafter_cost(DrafterCostDescription(400, False), forward, 1000)
+    assert per_step.per_token_s == 0 and per_step([3]) == pytest.approx(0.016)
+
+
 def test_catch_up_cost_is_measured_from_the_steps_that_catch_up(tiny_tokenizer):
     base = CostModel(ForwardCosts.linear(0.010, 0.0),
                      DrafterCost(per_token_s=0.002, batched=True, catch_up_per_token_s=0.001))

@@ -292,20 +292,31 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         self._forget_others(seqs)  # first: a finished request's estimates are where a new one starts
         estimates = [self.estimate(seq) for seq in seqs]
         contexts = [seq.num_cached for seq in seqs]
-        allocated = self.cost_model.allocate([e.table(self.max_draft_tokens) for e in estimates], batch_size,
-                                             self.max_draft_tokens, self.max_rows, contexts)
-        lengths = self._reprobe(list(allocated), estimates, batch_size, contexts)
+        lengths = list(self.cost_model.allocate([e.table(self.max_draft_tokens) for e in estimates], batch_size,
+                                                self.max_draft_tokens, self.max_rows, contexts))
         if catch_up_tokens is not None:
-            probes = [k > 0 and not before for k, before in zip(lengths, allocated)]
-            lengths = self._repaid_catch_ups(lengths, probes, seqs, estimates, batch_size, contexts, catch_up_tokens)
+            # Until some request has measured the drafts' acceptance, a first draft is weighed as a probe is: the
+            # prior is a guess, and only a draft can measure it (weighed at the prior, a draft model's prompt
+            # catch-up vetoed every first draft, so none was ever made).
+            unmeasured = [not self.population.alphas and not any(e.observations) for e in estimates]
+            lengths = self._repaid_catch_ups(lengths, unmeasured, [True] * len(seqs), seqs, estimates, batch_size,
+                                             contexts, catch_up_tokens)
+        planned = list(lengths)
+        # a request whose draft was vetoed counts as held at k = 0, so it is probed in time
+        lengths = self._reprobe(lengths, estimates, batch_size, contexts)
+        if catch_up_tokens is not None:
+            probes = [k > 0 and not before for k, before in zip(lengths, planned)]
+            if any(probes):
+                lengths = self._repaid_catch_ups(lengths, probes, probes, seqs, estimates, batch_size, contexts,
+                                                 catch_up_tokens)
         self._steady_drafting = all(e.last_draft_length > 0 for e, k in zip(estimates, lengths) if k > 0)
         for estimate, k in zip(estimates, lengths):
             estimate.last_draft_length = k
         return lengths
 
-    def _repaid_catch_ups(self, lengths: list[int], probes: list[bool], seqs: SequenceOf[Sequence],
-                          estimates: list[AcceptanceEstimate], batch_size: int, contexts: list[int],
-                          catch_up_tokens: SequenceOf[int]) -> list[int]:
+    def _repaid_catch_ups(self, lengths: list[int], probes: list[bool], considered: list[bool],
+                          seqs: SequenceOf[Sequence], estimates: list[AcceptanceEstimate], batch_size: int,
+                          contexts: list[int], catch_up_tokens: SequenceOf[int]) -> list[int]:
         """Keeps a draft that needs the drafter to catch up first only if the request's remaining tokens can repay
         the catch-up: what its drafts save per step at this batch, times the steps it has left, against the
         catch-up's seconds. Otherwise it stays at k = 0 (a draft model would prefill a prompt, or every token since
@@ -314,7 +325,8 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
 
         The saving of seq i's draft: the step's tokens, at the seconds per token the step would take without it,
         minus the step's seconds with it. A probe is weighed as if its draft were surely accepted (as
-        `_probe_could_pay` does): its estimate is what it is there to correct."""
+        `_probe_could_pay` does): its estimate is what it is there to correct. Only the `considered` requests'
+        drafts are weighed (and may be dropped)."""
         per_token = self.cost_model.drafter.catch_up_per_token_s
         if not per_token or not any(k and c for k, c in zip(lengths, catch_up_tokens)):
             return lengths
@@ -324,7 +336,7 @@ class AdaptiveDraftPolicy(DraftLengthPolicy):
         seconds = self.cost_model.step_seconds(lengths, batch_size, contexts)
         kept = list(lengths)
         for i, (seq, k, catch_up) in enumerate(zip(seqs, lengths, catch_up_tokens)):
-            if not k or not catch_up:
+            if not k or not catch_up or not considered[i]:
                 continue
             without = lengths[:i] + [0] + lengths[i + 1 :]
             tokens_without = tokens - gains[i] + 1
@@ -456,11 +468,12 @@ def _estimated_drafter_cost(described: DrafterCostDescription, forward: ForwardC
     """A drafter running model forwards, priced from the target's T(n) until it is measured. Decoding is
     memory-bound: a draft forward ≈ the target's T(1) scaled by the weight bytes it streams, and a catch-up token ≈
     the target's per-row cost of its widest forward (a prefill is compute-bound) scaled by the weights
-    (multiply-adds) it passes through; a forward per draft position (draft model, EAGLE) or one per step (Medusa),
-    shared by the step's sequences."""
+    (multiply-adds) it passes through; shared by the step's sequences. A draft model or EAGLE head runs one forward
+    per draft position: k draft tokens cost k forwards, the first of which also feeds the committed tokens since
+    the last step (per_step_s 0: no forward of its own). Medusa runs one forward per step, whatever k."""
     share = described.forward_weight_nbytes / max(1, target_weight_nbytes)
     per_forward = forward(1) * share
     per_row = forward(forward.max_rows) / forward.max_rows
-    per_token = per_forward if described.forward_per_draft_token else 0.0
-    return DrafterCost(per_token_s=per_token, per_step_s=per_forward, batched=True,
-                       catch_up_per_token_s=per_row * share)
+    if described.forward_per_draft_token:
+        return DrafterCost(per_token_s=per_forward, batched=True, catch_up_per_token_s=per_row * share)
+    return DrafterCost(per_step_s=per_forward, batched=True, catch_up_per_token_s=per_row * share)
