@@ -7,7 +7,7 @@
 // activations (-127..127) and adds adjacent pairs into int16, |pair| <= 2 * 15 * 127 = 3810, so it never
 // saturates, and the 2 * NB / 4 <= 8 pair vectors of a unit add up in int16 without overflow (8 * 3810 = 30480 <
 // 32767). One vpmaddwd with ones per unit then gives each lane's int32 sum of its 4-byte groups: the very
-// int32 of the avx512 path, before the same fp32 epilogue. On CPUs with AVX-VNNI (Zen 4 and later, Alder Lake and
+// int32 of the avx512 path, before the same fp32 epilogue. On CPUs with AVX-VNNI (Zen 5 and later, Alder Lake and
 // later) this file is compiled a second time with SPECDEC_AVX_VNNI (namespace avx2_vnni): there the 256-bit
 // vpdpbusd adds each 4-byte group's products into the lane's int32 directly, the same exact int32.
 
