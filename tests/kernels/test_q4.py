@@ -102,12 +102,52 @@ def test_nibble_columns_cover_every_column_once():
         assert sorted(torch.cat([low, high]).tolist()) == list(range(in_features))
 
 
-def test_in_features_must_be_a_multiple_of_256():
+def test_q4k_tensors_need_a_multiple_of_256():
     assert not q4.q4_supports(640) and q4.q4_supports(2048)
-    with pytest.raises(q4.Q4ShapeError, match="multiple of 256"):
-        q4.quantize_q4(torch.randn(4, 640))
     with pytest.raises(q4.Q4ShapeError, match="keep this layer at q8"):
         q4.q4_from_q4k_blocks(np.zeros((2, 144 * 2), np.uint8), 2, 320)
+    assert [q4.padded_width(w) for w in (1, 32, 256, 257, 640, 896)] == [256, 256, 256, 512, 768, 1024]
+    with pytest.raises(ValueError, match="in_features must be positive"):
+        q4.padded_width(0)
+    with pytest.raises(ValueError, match="768 stored columns do not pad a width of 512"):
+        q4.Q4Weight.from_blocks(_random_weight(4, 768, seed=1).blocks(), in_features=512)
+
+
+@pytest.mark.parametrize("in_features", [32, 100, 640, 896])
+def test_padded_widths_add_exactly_nothing(in_features):
+    """A weight quantized at a width that is no multiple of 256 is stored padded; the padded columns meet zero
+    activations, so whatever they hold (here: random quants, and random scales and mins in sub-blocks that are
+    padding only) the result is bit for bit the same, and it is the unpadded weight's product."""
+    g = torch.Generator().manual_seed(in_features)
+    dense = torch.randn(37, in_features, generator=g) * 0.05
+    weight = q4.quantize_q4(dense)
+    padded = q4.padded_width(in_features)
+    assert (weight.in_features, weight.padded_in_features) == (in_features, padded)
+    assert weight.dequantize().shape == (37, in_features)
+    assert (weight.dequantize() - dense).norm() / dense.norm() < 0.1
+    blocks = weight.blocks()
+    first_padding_block = -(-in_features // 32)  # sub-blocks from here on are padding only: all zero
+    assert not blocks.quants[:, first_padding_block * 32 :].any()
+    assert not blocks.sub_scales[:, first_padding_block:].any()
+    garbage = torch.randint(0, 16, blocks.quants[:, in_features:].shape, generator=g, dtype=torch.uint8)
+    quants = blocks.quants.clone()
+    quants[:, in_features:] = garbage
+    sub_scales, sub_mins = blocks.sub_scales.clone(), blocks.sub_mins.clone()
+    sub_scales[:, first_padding_block:] = torch.randint(0, 64, sub_scales[:, first_padding_block:].shape, generator=g,
+                                                        dtype=torch.uint8)
+    sub_mins[:, first_padding_block:] = torch.randint(0, 64, sub_mins[:, first_padding_block:].shape, generator=g,
+                                                      dtype=torch.uint8)
+    dirty = q4.Q4Weight.from_blocks(q4.Q4Blocks(quants, sub_scales, sub_mins, blocks.d, blocks.dmin), in_features)
+    x, bias = _activations(9, in_features, seed=3)
+    y = q4.q4_linear(x, weight, bias[:37])
+    assert torch.equal(q4.q4_linear(x, dirty, bias[:37]), y)
+    reference = x @ weight.dequantize().T + bias[:37]
+    assert (y - reference).norm() / reference.norm() < 2e-2
+    for row in range(9):  # row invariance at a padded width
+        assert torch.equal(q4.q4_linear(x[row : row + 1], weight, bias[:37]), y[row : row + 1])
+    assert torch.equal(q4.q4_linear(x, weight.rows([36, 2, 5]), bias[[36, 2, 5]]), y[:, [36, 2, 5]])
+    with pytest.raises(ValueError, match=f"q4_linear: x has {padded} features, weight expects {in_features}"):
+        q4.q4_linear(torch.zeros(2, padded), weight)
 
 
 def test_quantize_q4_search_beats_min_max():

@@ -7,8 +7,12 @@ every input a 4-bit quant ``q`` in 0..15::
 
     weight = (d * sc_b) * q - dmin * m_b        (both products exact in fp32)
 
-``in_features`` must be a multiple of 256 (Q4_K's rule): :class:`Q4ShapeError` otherwise, and the caller keeps
-that layer at q8.
+A Q4_K tensor's ``in_features`` is a multiple of 256 (Q4_K's rule; :class:`Q4ShapeError` otherwise). A weight
+quantized at load (:func:`quantize_q4`) may have any width: it is stored padded with zero columns to the next
+multiple of 256 (:func:`padded_width`), and :func:`q4_linear` pads the activations with zeros to match. A padded
+column adds exactly nothing (its activation quantizes to 0, and a sub-block of zero activations contributes
+0 to the min term), so the result is the unpadded weight's; the padding costs bytes only (896 -> 1024: 5.3 bits
+a weight instead of 4.6).
 
 Storage, 148 bytes per row and super-block (4.625 bits per weight; Q4_K's 144 bytes pack the 6-bit scales and
 mins into 12 bytes, we keep one byte each so that the kernel reads them without unpacking bits):
@@ -44,6 +48,7 @@ __all__ = [
     "Q4Weight",
     "q4_from_q4k_blocks",
     "q4_linear",
+    "padded_width",
     "q4_supports",
     "quantize_q4",
 ]
@@ -64,8 +69,16 @@ class Q4ShapeError(ValueError):
 
 
 def q4_supports(in_features: int) -> bool:
-    """Whether a layer with ``in_features`` inputs can be stored as q4 (a multiple of 256, Q4_K's rule)."""
+    """Whether a Q4_K tensor with ``in_features`` inputs loads losslessly as q4 (a multiple of 256, Q4_K's rule;
+    any other width is quantized at load, padded: :func:`padded_width`)."""
     return in_features > 0 and in_features % SUPER_BLOCK == 0
+
+
+def padded_width(in_features: int) -> int:
+    """The stored width of a q4 weight with ``in_features`` inputs: the next multiple of 256."""
+    if in_features <= 0:
+        raise ValueError(f"in_features must be positive, got {in_features}")
+    return -(-in_features // SUPER_BLOCK) * SUPER_BLOCK
 
 
 def _check_in_features(in_features: int) -> None:
@@ -176,14 +189,19 @@ def _unpack_scales(scales: torch.Tensor, super_blocks: int):
 class Q4Weight:
     """A 4-bit weight in the kernel's layout (see the module docstring)."""
 
-    quants: torch.Tensor  # [out, in/2] uint8, two quants a byte, kernel order, rows in tiles of 4
-    scales: torch.Tensor  # [out, in/256 * 20] uint8: per unit sc, m, fp16 d, fp16 dmin
-    in_features: int
+    quants: torch.Tensor  # [out, padded/2] uint8, two quants a byte, kernel order, rows in tiles of 4
+    scales: torch.Tensor  # [out, padded/256 * 20] uint8: per unit sc, m, fp16 d, fp16 dmin
+    in_features: int  # the layer's inputs; the stored width is padded_width(in_features)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def out_features(self) -> int:
         return self.quants.shape[0]
+
+    @property
+    def padded_in_features(self) -> int:
+        """The stored width: in_features padded with zero columns to a multiple of 256."""
+        return self.quants.shape[1] * 2
 
     @property
     def nbytes(self) -> int:
@@ -199,11 +217,16 @@ class Q4Weight:
         return Q4Weight(self.quants.clone(), self.scales.clone(), self.in_features)
 
     @classmethod
-    def from_blocks(cls, blocks: Q4Blocks) -> "Q4Weight":
-        """Pack a natural-order weight (quants 0..15, 6-bit sc and m, fp16 d and dmin)."""
-        out, in_features = blocks.quants.shape
-        _check_in_features(in_features)
-        super_blocks = in_features // SUPER_BLOCK
+    def from_blocks(cls, blocks: Q4Blocks, in_features: int | None = None) -> "Q4Weight":
+        """Pack a natural-order weight (quants 0..15, 6-bit sc and m, fp16 d and dmin) of a multiple of 256
+        columns; ``in_features`` (default: all of them) is the layer's width when the last columns are padding."""
+        out, padded = blocks.quants.shape
+        _check_in_features(padded)
+        in_features = padded if in_features is None else in_features
+        if padded_width(in_features) != padded:
+            raise ValueError(f"{padded} stored columns do not pad a width of {in_features} (expected "
+                             f"{padded_width(in_features)})")
+        super_blocks = padded // SUPER_BLOCK
         expected = {"sub_scales": (out, super_blocks * SUB_BLOCKS), "sub_mins": (out, super_blocks * SUB_BLOCKS),
                     "d": (out, super_blocks), "dmin": (out, super_blocks)}
         for name, shape in expected.items():
@@ -213,37 +236,40 @@ class Q4Weight:
             raise ValueError(f"quants must lie in 0..{QUANT_MAX}")
         if bool((blocks.sub_scales > SCALE_MAX).any()) or bool((blocks.sub_mins > SCALE_MAX).any()):
             raise ValueError(f"sub-block scales and mins must lie in 0..{SCALE_MAX}")
-        low, high = _nibble_columns(in_features)
+        low, high = _nibble_columns(padded)
         quants = blocks.quants.to(torch.uint8)
         packed = quants.index_select(1, low) | (quants.index_select(1, high) << 4)  # [out, in/2]
         return cls(_tile(packed).contiguous(), _pack_scales(blocks), in_features)
 
     def blocks(self) -> Q4Blocks:
-        """The weight in natural order (exactly what :meth:`from_blocks` packed)."""
+        """The weight in natural order, padding included (exactly what :meth:`from_blocks` packed)."""
         packed = _untile(self.quants)
-        low, high = _nibble_columns(self.in_features)
-        quants = torch.empty(self.out_features, self.in_features, dtype=torch.uint8)
+        padded = self.padded_in_features
+        low, high = _nibble_columns(padded)
+        quants = torch.empty(self.out_features, padded, dtype=torch.uint8)
         quants[:, low] = packed & 0x0F
         quants[:, high] = packed >> 4
-        return Q4Blocks(quants, *_unpack_scales(self.scales, self.in_features // SUPER_BLOCK))
+        return Q4Blocks(quants, *_unpack_scales(self.scales, padded // SUPER_BLOCK))
 
     def dequantize(self) -> torch.Tensor:
-        """[out, in] fp32: (d * sc) * q - dmin * m, bitwise as gguf-py's Q4_K dequantization."""
+        """[out, in] fp32 (padding dropped): (d * sc) * q - dmin * m, bitwise as gguf-py's Q4_K
+        dequantization."""
         blocks = self.blocks()
         out = self.out_features
         sub_scale = blocks.d.to(torch.float32).repeat_interleave(SUB_BLOCKS, dim=1) * blocks.sub_scales.to(
             torch.float32
         )
         sub_min = blocks.dmin.to(torch.float32).repeat_interleave(SUB_BLOCKS, dim=1) * blocks.sub_mins.to(torch.float32)
-        quants = blocks.quants.to(torch.float32).view(out, -1, SUB_BLOCK)  # [out, in/32, 32]
-        return (sub_scale[:, :, None] * quants - sub_min[:, :, None]).view(out, self.in_features)
+        quants = blocks.quants.to(torch.float32).view(out, -1, SUB_BLOCK)  # [out, padded/32, 32]
+        dense = (sub_scale[:, :, None] * quants - sub_min[:, :, None]).view(out, self.padded_in_features)
+        return dense[:, : self.in_features].contiguous()
 
     def rows(self, row_ids) -> "Q4Weight":
         """The weight of output rows ``row_ids`` only; a q4_linear with it gives bit for bit those columns of the
         full weight's (each output element is computed alone)."""
         ids = torch.as_tensor(row_ids, dtype=torch.long).reshape(-1)
         blocks = self.blocks()
-        return Q4Weight.from_blocks(Q4Blocks(*(part.index_select(0, ids) for part in blocks)))
+        return Q4Weight.from_blocks(Q4Blocks(*(part.index_select(0, ids) for part in blocks)), self.in_features)
 
     def _dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (dtype, device)
@@ -362,7 +388,8 @@ def _quantize_super_blocks(rows: torch.Tensor, search_steps: int) -> Q4Blocks:
 
 
 def quantize_q4(weight: torch.Tensor, search_steps: int = 20) -> Q4Weight:
-    """weight [out, in] (any float dtype; in a multiple of 256) -> Q4Weight, quantized once (at load, for fp16 /
+    """weight [out, in] (any float dtype, any width: padded with zero columns to padded_width(in)) -> Q4Weight,
+    quantized once (at load, for fp16 /
     bf16 safetensors and other non-Q4_K sources) as llama.cpp's reference Q4_K quantizer does: per sub-block a
     weighted least-squares search for scale and min (``search_steps`` stretched grids; 0: plain min/max), then
     6-bit scales and mins relative to the super-block's largest, fp16 d and dmin, and the quants rounded
@@ -370,14 +397,15 @@ def quantize_q4(weight: torch.Tensor, search_steps: int = 20) -> Q4Weight:
     if weight.dim() != 2:
         raise ValueError("weight must be [out_features, in_features]")
     out, in_features = weight.shape
-    _check_in_features(in_features)
+    padded = padded_width(in_features)
     weight = weight.detach().to(device="cpu", dtype=torch.float32)
     if not bool(torch.isfinite(weight).all()):
         raise ValueError("weight is not finite")
-    rows_per_step = max(1, (1 << 20) // in_features)  # bound the [rows, in] temporaries of the search
+    weight = F.pad(weight, (0, padded - in_features))  # [out, padded], zero columns: zero quants, scales, mins
+    rows_per_step = max(1, (1 << 20) // padded)  # bound the [rows, in] temporaries of the search
     parts = [_quantize_super_blocks(weight[r0 : r0 + rows_per_step], search_steps)
              for r0 in range(0, out, rows_per_step)]
-    return Q4Weight.from_blocks(Q4Blocks(*(torch.cat(column, dim=0) for column in zip(*parts))))
+    return Q4Weight.from_blocks(Q4Blocks(*(torch.cat(column, dim=0) for column in zip(*parts))), in_features)
 
 
 # --------------------------------------------------------------------------- the linear
@@ -386,11 +414,15 @@ def quantize_q4(weight: torch.Tensor, search_steps: int = 20) -> Q4Weight:
 def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out] fp32. Bitwise row invariant on the CPU kernels; the torch fallback (CUDA, no
     extension) is close but not row invariant, and does not quantize the activations."""
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"q4_linear: x has {x.shape[-1]} features, weight expects {weight.in_features}")
     if x.is_cpu:
         ext = ops._load()
         if ext is not None:
             rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            y = ext.q4_linear(rows, weight.quants, weight.scales, bias, weight.in_features)
+            if weight.padded_in_features != weight.in_features:
+                rows = F.pad(rows, (0, weight.padded_in_features - weight.in_features))  # zeros add nothing
+            y = ext.q4_linear(rows, weight.quants, weight.scales, bias, weight.padded_in_features)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
     return q4_linear_torch(x, weight, bias)
 
