@@ -1,7 +1,7 @@
 """Models in the q4 weight format: which layers are q4, bitwise row invariance (alone / in a verify block /
 beside other sequences), and greedy speculation identical to plain decoding for every drafter, batch 1 and > 1.
-The tiny models here have widths that are multiples of 256, so that every layer linear can be q4; the real
-Q4_K files are covered by tests/real (the default format, auto, runs their Q4_K layers as q4)."""
+The tiny models here have widths that are multiples of 256 (one test pads others); the real Q4_K files are
+covered by tests/real (the default format, auto, runs their Q4_K layers as q4)."""
 import pytest
 import torch
 
@@ -40,8 +40,11 @@ def test_linear_format_rules():
     assert storage.linear_format(["a", "c"], 512, "auto") == "q8"  # a Q6_K part keeps the fused linear at q8
     assert storage.linear_format(["d"], 512, "auto") == "q8"  # auto never quantizes to 4 bits at load
     assert storage.linear_format(["d"], 512, "q4") == "q4"  # q4 does (fp16)
-    assert storage.linear_format(["e"], 512, "q4") == "q8"  # Q5_0 is finer than q4: kept at q8
-    assert storage.linear_format(["a"], 640, "auto") == "q8"  # in_features not a multiple of 256
+    assert storage.linear_format(["e"], 896, "q4") == "q4"  # Q5_0 (Q4_K_M's type for widths that are no multiple
+    assert storage.linear_format(["e"], 896, "auto") == "q8"  # of 256) is quantized to q4, padded, under q4 only
+    assert storage.linear_format(["c"], 512, "q4") == "q8"  # Q6_K and Q8_0 layers stay q8 under q4
+    assert storage.linear_format(["d"], 640, "q4") == "q4"  # any width quantizes at load (padded to 768)
+    assert storage.linear_format(["a"], 640, "auto") == "q8"  # a Q4_K tensor of a width Q4_K cannot have
     assert storage.linear_format(["a"], 512, "q8") == "q8"
     assert storage.linear_format(["a"], 512, "fp32") == "fp32"
     with pytest.raises(ValueError, match="unknown weight format 'q3'; choose one of auto, q4, q8, fp32"):
@@ -112,3 +115,24 @@ def test_q4_greedy_speculation_identical_to_plain(make_tiny_model, tiny_tokenize
     assert metrics.drafted_tokens > 0
     if method == "draft_model_same":
         assert metrics.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_q4_pads_widths_that_are_no_multiple_of_256(make_tiny_model, tiny_tokenizer, architecture):
+    """hidden 320, intermediate 448: every layer linear is q4 on padded widths, logits stay row invariant and
+    greedy speculation stays identical to plain decoding."""
+    widths = dict(hidden_size=320, intermediate_size=448, num_heads=5, num_kv_heads=1, head_dim=64)
+    if architecture == "gemma3":
+        widths["attention_scale"] = 64**-0.5
+    model = make_tiny_model(architecture, seed=0, weight_format="q4", **widths)
+    layer = model.layers[0]
+    assert {layer.qkv_proj.format, layer.o_proj.format, layer.gate_up_proj.format, layer.down_proj.format} == {"q4"}
+    assert (layer.qkv_proj.q4.padded_in_features, layer.down_proj.q4.padded_in_features) == (512, 512)
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
+    reference = torch.cat([forward(model, cache, [[token]], [i], [0]) for i, token in enumerate(TOKENS)])
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
+    forward(model, cache, [TOKENS[:12]], [0], [0], all_logits=False)
+    assert torch.equal(forward(model, cache, [TOKENS[12:]], [12], [0]), reference[12:])
+    plain, _ = _run(model, tiny_tokenizer, PROMPTS)
+    speculative, metrics = _run(model, tiny_tokenizer, PROMPTS, NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1))
+    assert speculative == plain and metrics.drafted_tokens > 0

@@ -17,11 +17,12 @@ from specdec.kernels.q4 import Q4Weight, q4_from_q4k_blocks, q4_linear, q4_suppo
 
 # auto: q4 where the file stores a layer as Q4_K (lossless, half q8's bytes), q8 elsewhere (the default; see
 #       docs/kernels.md, "Weight formats").
-# q4:   also quantizes to 4 bits at load what the file stores as fp32 / fp16 / bf16 / Q4_0 / Q4_1.
+# q4:   also quantizes to 4 bits at load what the file stores as fp32 / fp16 / bf16 / Q4_0 / Q4_1 / Q5_0 (the
+#       type llama.cpp's Q4_K_M files use instead of Q4_K where a width is no multiple of 256), any width (padded).
 # q8:   every layer int8.   fp32: the reference (torch's matmul, not row invariant).
 WEIGHT_FORMATS = ("auto", "q4", "q8", "fp32")
 Q4_LOSSLESS_STORAGE = frozenset({"Q4_K"})
-Q4_QUANTIZED_STORAGE = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1"})
+Q4_QUANTIZED_STORAGE = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0"})
 
 
 def check_weight_format(weight_format: str) -> None:
@@ -43,10 +44,9 @@ class TensorStorage:
         check_weight_format(weight_format)
         if weight_format in ("q8", "fp32"):
             return weight_format
-        if not q4_supports(in_features):
-            return "q8"
         storage = {self.types.get(name, "F32") for name in names}
-        if storage <= Q4_LOSSLESS_STORAGE and all(name in self.q4k_bytes for name in names):
+        if (storage <= Q4_LOSSLESS_STORAGE and q4_supports(in_features)
+                and all(name in self.q4k_bytes for name in names)):
             return "q4"
         if weight_format == "q4" and storage <= Q4_QUANTIZED_STORAGE:
             return "q4"
