@@ -12,7 +12,8 @@
 #               builds it, and build-avx2/bin, the AVX2-only peer of SPECDEC_KERNEL_ISA=avx2)
 #   SPECDEC_KERNEL_ISA, THREADS (default 2), MAX_TOKENS (default 256 for pair, 128 for ngram),
 #   PER_CATEGORY (prompts per category: default 8 for pair, 2 for ngram), K (draft length cap: default 8 for
-#   pair, 16 for ngram), OUT (default bench_results/compare-servers-MODE.json)
+#   pair, 16 for ngram), OUT (default bench_results/compare-servers-MODE.json), DRAFT_FORMAT (pair: the draft
+#   model's --weight-format, e.g. q4; default the target's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:?usage: scripts/compare_servers.sh pair|ngram}
@@ -27,7 +28,7 @@ case $MODE in
     TARGET=qwen2.5-coder-1.5b-instruct DRAFT=qwen2.5-coder-0.5b-instruct K=${K:-8}
     MAX_TOKENS=${MAX_TOKENS:-256} PER_CATEGORY=${PER_CATEGORY:-8}
     DATASET=(--dataset ../shared/data/humaneval_dev.jsonl)
-    SPEC_CONFIG="{\"method\": \"draft_model\", \"model\": \"$DRAFT\", \"num_speculative_tokens\": $K}"
+    SPEC_CONFIG="{\"method\": \"draft_model\", \"model\": \"$DRAFT\", \"num_speculative_tokens\": $K${DRAFT_FORMAT:+, \"weight_format\": \"$DRAFT_FORMAT\"}}"
     LLAMA_SPEC=(-md "$(gguf "$DRAFT")" -td "$THREADS" --spec-draft-n-max "$K") ;;
   ngram)
     TARGET=gemma-3-270m K=${K:-16} MAX_TOKENS=${MAX_TOKENS:-128} PER_CATEGORY=${PER_CATEGORY:-2}
