@@ -93,8 +93,8 @@ class LLM:
                                                                           tensor_parallel_size)
         self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
         if self.spec_config is not None and drafter is None:
-            drafter = build_drafter(self.spec_config, self.model, self.tokenizer, weight_format=weight_format,
-                                    max_model_len=self.max_model_len, max_num_seqs=max_num_seqs)
+            drafter = build_drafter(self.spec_config, self.model, self.tokenizer, max_model_len=self.max_model_len,
+                                    max_num_seqs=max_num_seqs)
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         if drafter is not None and self.spec_config is None:
             raise ValueError("a drafter needs a speculative_config (for num_speculative_tokens)")

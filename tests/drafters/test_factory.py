@@ -13,8 +13,8 @@ from tiny_models import write_tiny_tokenizer
 
 
 def build(config_dict, target, tokenizer):
-    return factory.build_drafter(SpeculativeConfig.from_dict(config_dict), target, tokenizer, weight_format="q8",
-                                 max_model_len=128, max_num_seqs=2)
+    return factory.build_drafter(SpeculativeConfig.from_dict(config_dict), target, tokenizer, max_model_len=128,
+                                 max_num_seqs=2)
 
 
 def test_methods_build_their_drafters(make_tiny_model, tiny_tokenizer, monkeypatch):
@@ -25,6 +25,21 @@ def test_methods_build_their_drafters(make_tiny_model, tiny_tokenizer, monkeypat
                         lambda name, fmt, device: (make_tiny_model("llama", seed=1, num_layers=1), tiny_tokenizer))
     drafter = build({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}, target, tiny_tokenizer)
     assert isinstance(drafter, DraftModelDrafter)
+
+
+def test_draft_model_format_defaults_to_q4_whatever_the_target(make_tiny_model, tiny_tokenizer, monkeypatch):
+    target = make_tiny_model("llama")  # q8
+    formats = []
+
+    def load(name, weight_format, device):
+        formats.append(weight_format)
+        return make_tiny_model("llama", seed=1, num_layers=1), tiny_tokenizer
+
+    monkeypatch.setattr("specdec.runtime.load_model", load)
+    build({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}, target, tiny_tokenizer)
+    build({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3, "weight_format": "auto"}, target,
+          tiny_tokenizer)
+    assert formats == ["q4", "auto"]
 
 
 def test_draft_model_with_other_vocabulary_is_rejected_naming_the_ids(

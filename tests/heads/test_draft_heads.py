@@ -352,7 +352,7 @@ def test_speculative_config_builds_the_head_drafter(trained_heads, make_tiny_mod
         tmp_path / "h.safetensors", trainer.config, trainer.head.state_dict(), trainer.parts.draft_token_ids, {}
     )
     config = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 3, "model": str(path)})
-    drafter = build_drafter(config, make_tiny_model("qwen2"), tiny_tokenizer, "q8", 256, 4)
+    drafter = build_drafter(config, make_tiny_model("qwen2"), tiny_tokenizer, 256, 4)
     assert isinstance(drafter, EagleDrafter if method == "eagle" else MedusaDrafter)
     with pytest.raises(ValueError, match=f"speculative method '{method}' needs 'model' \\(the head file"):
         SpeculativeConfig(method=method, num_speculative_tokens=3)

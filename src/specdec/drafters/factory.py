@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import warnings
 
-from specdec.config import SpeculativeConfig
+from specdec.config import DEFAULT_DRAFT_WEIGHT_FORMAT, SpeculativeConfig
 from specdec.drafters.base import Drafter
 from specdec.models.tokenizer import Tokenizer
 from specdec.models.transformer import Transformer
@@ -12,12 +12,12 @@ from specdec.models.transformer import Transformer
 LOOKUP_METHODS = ("ngram", "suffix")  # drafters that read only the tokens: no model, no hidden states
 
 
-def build_drafter(config: SpeculativeConfig, target: Transformer, tokenizer: Tokenizer, weight_format: str,
-                  max_model_len: int, max_num_seqs: int) -> Drafter:
+def build_drafter(config: SpeculativeConfig, target: Transformer, tokenizer: Tokenizer, max_model_len: int,
+                  max_num_seqs: int) -> Drafter:
     if config.method in LOOKUP_METHODS:
         return build_lookup_drafter(config)
     if config.method == "draft_model":
-        return _build_draft_model(config, target, tokenizer, weight_format, max_model_len, max_num_seqs)
+        return _build_draft_model(config, target, tokenizer, max_model_len, max_num_seqs)
     if config.method in ("eagle", "medusa"):
         return build_head_drafter(config.method, config.model, target, max_model_len, max_num_seqs,
                                   config.num_draft_branches, config.draft_tree_min_prob)
@@ -40,12 +40,13 @@ def build_lookup_drafter(config: SpeculativeConfig) -> Drafter:
     )
 
 
-def _build_draft_model(config, target: Transformer, tokenizer: Tokenizer, weight_format: str,
-                       max_model_len: int, max_num_seqs: int) -> Drafter:
+def _build_draft_model(config, target: Transformer, tokenizer: Tokenizer, max_model_len: int,
+                       max_num_seqs: int) -> Drafter:
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.runtime import load_model
 
-    draft, draft_tokenizer = load_model(config.model, config.weight_format or weight_format, target.device)
+    draft, draft_tokenizer = load_model(config.model, config.weight_format or DEFAULT_DRAFT_WEIGHT_FORMAT,
+                                        target.device)
     check_same_vocabulary(tokenizer, draft_tokenizer, target.config.vocab_size, draft.config.vocab_size)
     if draft.config.num_parameters >= target.config.num_parameters:
         warnings.warn(
