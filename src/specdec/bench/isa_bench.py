@@ -8,8 +8,9 @@ For each model and each kernel path this CPU runs (`--isas`, default all but sca
 256 cached tokens (T(1), T(8), their ratio). The paths alternate within each of `--rounds` rounds (each in turn
 first) and the table gives medians, so a machine's slow minutes fall on every path alike. With `--llama-bench`
 (repeatable, `LABEL=PATH`: e.g. `avx2=.peers/llama.cpp/build-avx2/bin/llama-bench` and `native=...` as
-scripts/install-peers.sh builds them), each llama.cpp build's `llama-bench -t THREADS -p 0 -n 128` (decode) and
-`-p 1024 -n 0` (prefill) on the model's GGUF follow each round, and every path gets its ratio to each build.
+scripts/install-peers.sh builds them), each llama.cpp build's `llama-bench -t THREADS -p 0 -n 128` (decode),
+`-p 1024 -n 0` (prefill), and its T(1) and T(8) (`-n 16 -d 256`, `-p 8 -d 256`: 1 and 8 new tokens after 256
+cached) on the model's GGUF follow each round, and every path gets its ratio to each build.
 `--llama-cpp` measures llama.cpp through llama-cpp-python in this process instead (the same decode prompt's
 token ids, greedy, 128 tokens; the same prefill tokens). Each weight format (`--weight-formats`, default the
 default, auto) is a model of its own; the weights are packed once in the layout of the first path (the "amx"
@@ -63,13 +64,26 @@ def measure_path(llm: LLM, max_tokens: int) -> dict[str, float]:
             "t1_ms": curve[1] * 1e3, "t8_ms": curve[8] * 1e3}
 
 
+# figure -> llama-bench flags; the depth runs price a forward of 1 and of 8 new tokens after 256 cached tokens, as
+# forward_cost_curve does for specdec
+LLAMA_BENCH_RUNS = {
+    "decode_tok_s": ["-p", "0", "-n", "128"],
+    "prefill_tok_s": ["-p", "1024", "-n", "0"],
+    "depth_decode_tok_s": ["-p", "0", "-n", "16", "-d", "256"],
+    "depth_8_tok_s": ["-p", "8", "-n", "0", "-d", "256"],
+}
+
+
 def llama_bench(binary: str, gguf: Path, threads: int) -> dict[str, float]:
-    """llama-bench's mean tok/s for decode (tg128) and prefill (pp1024) of the GGUF."""
+    """llama-bench's mean tok/s for decode (tg128) and prefill (pp1024) of the GGUF, and its T(1) and T(8) in ms:
+    one decoded token (tg16) and a batch of 8 (pp8), each after 256 cached tokens (-d 256)."""
     result = {}
-    for key, flags in (("decode_tok_s", ["-p", "0", "-n", "128"]), ("prefill_tok_s", ["-p", "1024", "-n", "0"])):
+    for key, flags in LLAMA_BENCH_RUNS.items():
         out = subprocess.run([binary, "-m", str(gguf), "-t", str(threads), "-r", "3", "-o", "json", *flags],
                              capture_output=True, text=True, check=True).stdout
         result[key] = float(json.loads(out)[0]["avg_ts"])
+    result["t1_ms"] = 1e3 / result.pop("depth_decode_tok_s")
+    result["t8_ms"] = 8e3 / result.pop("depth_8_tok_s")
     return result
 
 
@@ -166,7 +180,10 @@ def print_row(row: dict) -> None:
             )
         print(line)
     for label, peer in peers.items():
-        print(f"| {label} | {peer['decode_tok_s']:.1f} | {peer['prefill_tok_s']:.0f} | | | |" + " | |" * len(peers))
+        costs = " | | |"
+        if "t1_ms" in peer:
+            costs = f" {peer['t1_ms']:.2f} | {peer['t8_ms']:.2f} | {peer['t8_ms'] / peer['t1_ms']:.2f} |"
+        print(f"| {label} | {peer['decode_tok_s']:.1f} | {peer['prefill_tok_s']:.0f} |{costs}" + " | |" * len(peers))
 
 
 def main(argv: list[str] | None = None) -> None:
