@@ -314,7 +314,18 @@ def _fit_sub_blocks(x: torch.Tensor, search_steps: int) -> tuple[torch.Tensor, t
 
     llama.cpp's make_qkx2_quants (rmin -1, rdelta 0.1): the weighted least-squares fit of scale and min for the
     quants of the min/max grid and of ``search_steps`` + 1 stretched grids, keeping the best; importance weights
-    rms(x) + |x| (quantize_row_q4_K_ref). ``search_steps`` 0: the plain min/max grid."""
+    rms(x) + |x| (quantize_row_q4_K_ref). ``search_steps`` 0: the plain min/max grid. The compiled kernels run the
+    same arithmetic per sub-block (csrc/q4_quantize.h, several times faster: this is a load-time cost), agreeing
+    to rounding; this is the fallback where they are not built."""
+    ext = ops._load()
+    if ext is not None:
+        fit = ext.q4_fit_sub_blocks(x, search_steps)  # [B, 2]
+        return fit[:, 0], fit[:, 1]
+    return _fit_sub_blocks_torch(x, search_steps)
+
+
+def _fit_sub_blocks_torch(x: torch.Tensor, search_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """_fit_sub_blocks in torch operations over all sub-blocks at once."""
     importance = x.pow(2).mean(dim=1, keepdim=True).sqrt() + x.abs()  # [B, 32]
     low = x.amin(dim=1).clamp(max=0.0)  # [B]
     high = x.amax(dim=1)

@@ -51,6 +51,7 @@ namespace {
 #include "csrc/common.h"
 #include "csrc/scalar.h"
 #include "csrc/q4_scalar.h"
+#include "csrc/q4_quantize.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -140,6 +141,7 @@ int64_t parallel_threads(int64_t n) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "int8 weight x Q8_0 activation linear (row invariant)");
   m.def("q4_linear", &q4_linear, "4-bit weight (Q4_K blocks) x Q8_0 activation linear (row invariant)");
+  m.def("q4_fit_sub_blocks", &q4_fit_sub_blocks, "quantize_q4's scale and min search per sub-block of 32 weights");
   m.def("avx_vnni", &cpu_has_avx_vnni, "whether the avx2 path runs its AVX-VNNI variant (CPU, SPECDEC_AVX_VNNI)");
   m.def("attention", &attention, "range attention (row invariant), optionally followed by extra keys per row",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("key_start"),
