@@ -32,6 +32,16 @@ def test_generate_builds_the_kv_cache_the_options_ask_for(tiny_model_dir, cache_
     assert "tok/s" in capsys.readouterr().err
 
 
+def test_generate_names_the_draft_models_own_weight_format(tiny_model_dir, capsys):
+    config = f'{{"method": "draft_model", "model": "{tiny_model_dir}", "num_speculative_tokens": 3}}'
+    argv = ["generate", "--model", str(tiny_model_dir), "--max-tokens", "6", "--threads", "2", "--weight-format", "q8",
+            "--speculative-config", config, "--draft-policy", "fixed", "abcabcabc"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "[kernels: " in err and "(q8 " in err  # the target as asked
+    assert f"[draft model: {tiny_model_dir} (q4: q4 " in err  # the draft model in its default format
+
+
 def test_generate_rejects_an_unknown_kv_cache_dtype(tiny_model_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", str(tiny_model_dir), "--kv-cache-dtype", "bf16", "hi"])

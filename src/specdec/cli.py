@@ -120,6 +120,18 @@ def generate_params(args: argparse.Namespace):
         min_tokens=args.min_tokens, json_schema=read(args.json_schema), regex=args.regex, grammar=read(args.grammar)))
 
 
+def announce_draft_model(llm) -> None:
+    """The draft model's weights beside the kernel line, when the drafter is a draft model (its format is its own:
+    q4 unless the speculative config says otherwise)."""
+    from specdec.kernels.report import describe_weights
+    from specdec.models.transformer import Transformer
+
+    draft = getattr(llm.engine.drafter, "model", None)
+    if isinstance(draft, Transformer):
+        weights = describe_weights(draft.weight_format, draft.linear_bytes())
+        print(f"[draft model: {draft.source} ({weights})]", file=sys.stderr, flush=True)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdec.config import SamplingParams
     from specdec.kernels.report import announce_kernels
@@ -135,6 +147,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
               tensor_parallel_size=args.tensor_parallel_size)
     print(f"[loaded {args.model} in {time.perf_counter() - started:.1f} s]", file=sys.stderr)
     announce_kernels(llm.model.device, args.weight_format, linear_bytes=llm.model.linear_bytes())
+    announce_draft_model(llm)
     plain = None
     if args.compare_plain and llm.spec_config is not None:
         llm.generate(args.prompt, SamplingParams(max_tokens=4), chat=args.chat, speculative=False)  # warm-up
@@ -263,6 +276,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     llm = LLM(**serve_llm_options(args))
     app = create_app(llm, config)
     announce_kernels(llm.model.device, args.weight_format, linear_bytes=llm.model.linear_bytes())
+    announce_draft_model(llm)
     print(f"[serving {app.state.server.model_name} on http://{args.host}:{args.port}]", file=sys.stderr)
     GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
     return 0
