@@ -42,7 +42,9 @@ PLOTS = ("speedup.png", "acceptance_by_position.png", "tokens_per_s.png")
 
 
 def _bench(model_dir, datasets, out, *extra):
-    methods = f'none,ngram,suffix,draft_model:{{"model": "{model_dir}", "num_speculative_tokens": 3}}'
+    # the draft model in the target's format (auto): the target drafts its own tokens, all accepted
+    draft = f'{{"model": "{model_dir}", "num_speculative_tokens": 3, "weight_format": "auto"}}'
+    methods = f"none,ngram,suffix,draft_model:{draft}"
     argv = ["bench", "--model", str(model_dir), "--methods", methods, "--max-new-tokens", "24", "--out", str(out),
             "--no-progress", "--draft-policy", "fixed", *extra]  # fixed k: every draft position is exercised
     for dataset in datasets:

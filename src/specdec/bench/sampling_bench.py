@@ -108,12 +108,15 @@ class BenchSetup:
     max_tokens: int = 64
     seed: int = 0
     max_model_len: int = 4096
+    draft_weight_format: str | None = None  # the draft model's weight format; None: its default (q4)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="catalogue name, .gguf path or HF directory")
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL, help="draft_model's draft model")
+    parser.add_argument("--draft-weight-format", default=None,
+                        help="the draft model's weight format (default: the draft model default, q4)")
     parser.add_argument("--drafters", default=",".join(DRAFTERS), help=f"comma list of {', '.join(DRAFTERS)}")
     parser.add_argument("--temperatures", default="0.3,0.7,1.0", help="comma list, each > 0")
     parser.add_argument("--top-k", type=int, default=0)
@@ -140,7 +143,7 @@ def setup_from_args(args: argparse.Namespace) -> BenchSetup:
     if args.prompts < 1 or args.max_tokens < 1:
         raise ValueError("--prompts and --max-tokens must be >= 1")
     return BenchSetup(args.target, args.draft_model, drafters, temperatures, args.top_k, args.top_p, args.k,
-                      args.prompts, args.max_tokens, args.seed)
+                      args.prompts, args.max_tokens, args.seed, draft_weight_format=args.draft_weight_format)
 
 
 def speculative_config(drafter: str, acceptance: str, setup: BenchSetup) -> dict[str, Any]:
@@ -149,6 +152,8 @@ def speculative_config(drafter: str, acceptance: str, setup: BenchSetup) -> dict
                               "num_draft_branches": 1, "acceptance": acceptance}
     if drafter == "draft_model":
         config["model"] = setup.draft_model
+        if setup.draft_weight_format is not None:
+            config["weight_format"] = setup.draft_weight_format
     return config
 
 
