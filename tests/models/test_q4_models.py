@@ -34,7 +34,7 @@ def forward(model, cache, token_lists, starts, slots, all_logits=True):
 
 
 def test_linear_format_rules():
-    storage = TensorStorage(types={"a": "Q4_K", "b": "Q4_K", "c": "Q6_K", "d": "F16", "e": "Q5_0"},
+    storage = TensorStorage(types={"a": "Q4_K", "b": "Q4_K", "c": "Q6_K", "d": "F16", "e": "Q5_0", "f": "Q8_0"},
                             q4k_bytes={"a": torch.zeros(1), "b": torch.zeros(1)})
     assert storage.linear_format(["a", "b"], 512, "auto") == "q4"  # Q4_K: lossless
     assert storage.linear_format(["a", "c"], 512, "auto") == "q8"  # a Q6_K part keeps the fused linear at q8
@@ -45,9 +45,11 @@ def test_linear_format_rules():
     assert storage.linear_format(["c"], 512, "q4") == "q8"  # Q6_K and Q8_0 layers stay q8 under q4
     assert storage.linear_format(["d"], 640, "q4") == "q4"  # any width quantizes at load (padded to 768)
     assert storage.linear_format(["a"], 640, "auto") == "q8"  # a Q4_K tensor of a width Q4_K cannot have
+    for names in (["a", "b"], ["a", "c"], ["c"], ["d"], ["e"], ["f"]):  # q4-all: every storage, any width
+        assert storage.linear_format(names, 640, "q4-all") == "q4"
     assert storage.linear_format(["a"], 512, "q8") == "q8"
     assert storage.linear_format(["a"], 512, "fp32") == "fp32"
-    with pytest.raises(ValueError, match="unknown weight format 'q3'; choose one of auto, q4, q8, fp32"):
+    with pytest.raises(ValueError, match="unknown weight format 'q3'; choose one of auto, q4, q4-all, q8, fp32"):
         check_weight_format("q3")
 
 
@@ -128,6 +130,28 @@ def test_q4_pads_widths_that_are_no_multiple_of_256(make_tiny_model, tiny_tokeni
     layer = model.layers[0]
     assert {layer.qkv_proj.format, layer.o_proj.format, layer.gate_up_proj.format, layer.down_proj.format} == {"q4"}
     assert (layer.qkv_proj.q4.padded_in_features, layer.down_proj.q4.padded_in_features) == (512, 512)
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
+    reference = torch.cat([forward(model, cache, [[token]], [i], [0]) for i, token in enumerate(TOKENS)])
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
+    forward(model, cache, [TOKENS[:12]], [0], [0], all_logits=False)
+    assert torch.equal(forward(model, cache, [TOKENS[12:]], [12], [0]), reference[12:])
+    plain, _ = _run(model, tiny_tokenizer, PROMPTS)
+    speculative, metrics = _run(model, tiny_tokenizer, PROMPTS, NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1))
+    assert speculative == plain and metrics.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_q4_all_runs_the_output_layer_as_q4(make_tiny_model, tiny_tokenizer, architecture):
+    """q4-all: the output layer is q4 too (a q4 copy where it is tied to the q8 embedding table); logits stay row
+    invariant and greedy speculation identical to plain decoding."""
+    overrides = dict(Q4_WIDTHS, attention_scale=64**-0.5) if architecture == "gemma3" else Q4_WIDTHS
+    model = make_tiny_model(architecture, seed=0, weight_format="q4-all", **overrides)
+    assert model.embed_tokens.format == "q8" and model.lm_head.format == "q4"
+    assert model.lm_head is not model.embed_tokens
+    tied = make_tiny_model(architecture, seed=0, weight_format="q4", **overrides)
+    if tied.config.tie_word_embeddings:  # the copy is the same table, quantized once more
+        dense = tied.embed_tokens.quantized.dequantize()
+        assert (model.lm_head.q4.dequantize() - dense).norm() / dense.norm() < 0.1
     cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
     reference = torch.cat([forward(model, cache, [[token]], [i], [0]) for i, token in enumerate(TOKENS)])
     cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)

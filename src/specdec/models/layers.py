@@ -19,8 +19,11 @@ from specdec.kernels.q4 import Q4Weight, q4_from_q4k_blocks, q4_linear, q4_suppo
 #       docs/kernels.md, "Weight formats").
 # q4:   also quantizes to 4 bits at load what the file stores as fp32 / fp16 / bf16 / Q4_0 / Q4_1 / Q5_0 (the
 #       type llama.cpp's Q4_K_M files use instead of Q4_K where a width is no multiple of 256), any width (padded).
+# q4-all: q4 for every linear layer, the output layer and the file's 6- and 8-bit layers included (a tied output
+#       layer gets a q4 copy beside the q8 embedding table): the fewest bytes a token, for draft models, whose
+#       weights choose the proposals, never the output.
 # q8:   every layer int8.   fp32: the reference (torch's matmul, not row invariant).
-WEIGHT_FORMATS = ("auto", "q4", "q8", "fp32")
+WEIGHT_FORMATS = ("auto", "q4", "q4-all", "q8", "fp32")
 Q4_LOSSLESS_STORAGE = frozenset({"Q4_K"})
 Q4_QUANTIZED_STORAGE = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0"})
 
@@ -48,7 +51,7 @@ class TensorStorage:
         if (storage <= Q4_LOSSLESS_STORAGE and q4_supports(in_features)
                 and all(name in self.q4k_bytes for name in names)):
             return "q4"
-        if weight_format == "q4" and storage <= Q4_QUANTIZED_STORAGE:
+        if weight_format == "q4-all" or (weight_format == "q4" and storage <= Q4_QUANTIZED_STORAGE):
             return "q4"
         return "q8"
 

@@ -92,8 +92,8 @@ class Transformer:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], weight_format: str = "auto", device="cpu",
                  source: str = "", storage: TensorStorage | None = None,
                  parallel: TensorParallel | None = None) -> None:
-        """weight_format: auto, q4, q8 or fp32 (models/layers.py: WEIGHT_FORMATS); storage: how the file stored the
-        tensors (its Q4_K bytes load losslessly as q4; none: every tensor counts as fp32, so auto means q8).
+        """weight_format: auto, q4, q4-all, q8 or fp32 (models/layers.py: WEIGHT_FORMATS); storage: how the file
+        stored the tensors (its Q4_K bytes load losslessly as q4; none: every tensor counts as fp32, so auto means q8).
         source: the catalogue name or path the weights came from ("" for models built in memory); it keys
         the measured cost profile of this model (engine/draft_length/).
         parallel: this process's rank in a tensor-parallel group (None: the whole model in this process); the rank
@@ -119,8 +119,12 @@ class Transformer:
         self.embed_tokens = Linear.build(embed, None, "fp32" if weight_format == "fp32" else "q8")
         self.lm_head: Linear | None = None  # the workers of a tensor-parallel group compute no logits
         if self.parallel is None or self.parallel.is_leader:
-            self.lm_head = (self.embed_tokens if "lm_head" not in tensors
-                            else _linear(tensors, storage, ["lm_head"], None, weight_format, self.device))
+            if "lm_head" in tensors:
+                self.lm_head = _linear(tensors, storage, ["lm_head"], None, weight_format, self.device)
+            elif weight_format == "q4-all":  # a q4 copy of the tied table: the output layer is a weight stream
+                self.lm_head = Linear.build(embed, None, "q4")
+            else:
+                self.lm_head = self.embed_tokens
         self.norm = tensors["norm"].float().to(self.device)
         self.layers = [_build_layer(config, tensors, storage, i, weight_format, self.device)
                        for i in range(config.num_layers)]
