@@ -39,7 +39,7 @@ def test_generate_names_the_draft_models_own_weight_format(tiny_model_dir, capsy
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "[kernels: " in err and "(q8 " in err  # the target as asked
-    assert f"[draft model: {tiny_model_dir} (q4: q4 " in err  # the draft model in its default format
+    assert f"[draft model: {tiny_model_dir} (q4-all: q4 " in err  # the draft model in its default format
 
 
 def test_generate_rejects_an_unknown_kv_cache_dtype(tiny_model_dir, capsys):

@@ -122,7 +122,7 @@ def generate_params(args: argparse.Namespace):
 
 def announce_draft_model(llm) -> None:
     """The draft model's weights beside the kernel line, when the drafter is a draft model (its format is its own:
-    q4 unless the speculative config says otherwise)."""
+    q4-all unless the speculative config says otherwise)."""
     from specdec.kernels.report import describe_weights
     from specdec.models.transformer import Transformer
 

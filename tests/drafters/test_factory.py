@@ -27,7 +27,7 @@ def test_methods_build_their_drafters(make_tiny_model, tiny_tokenizer, monkeypat
     assert isinstance(drafter, DraftModelDrafter)
 
 
-def test_draft_model_format_defaults_to_q4_whatever_the_target(make_tiny_model, tiny_tokenizer, monkeypatch):
+def test_draft_model_format_defaults_to_q4_all_whatever_the_target(make_tiny_model, tiny_tokenizer, monkeypatch):
     target = make_tiny_model("llama")  # q8
     formats = []
 
@@ -39,7 +39,7 @@ def test_draft_model_format_defaults_to_q4_whatever_the_target(make_tiny_model, 
     build({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3}, target, tiny_tokenizer)
     build({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3, "weight_format": "auto"}, target,
           tiny_tokenizer)
-    assert formats == ["q4", "auto"]
+    assert formats == ["q4-all", "auto"]
 
 
 def test_draft_model_with_other_vocabulary_is_rejected_naming_the_ids(

@@ -108,7 +108,7 @@ class BenchSetup:
     max_tokens: int = 64
     seed: int = 0
     max_model_len: int = 4096
-    draft_weight_format: str | None = None  # the draft model's weight format; None: its default (q4)
+    draft_weight_format: str | None = None  # the draft model's weight format; None: its default (q4-all)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="catalogue name, .gguf path or HF directory")
     parser.add_argument("--draft-model", default=DEFAULT_DRAFT_MODEL, help="draft_model's draft model")
     parser.add_argument("--draft-weight-format", default=None,
-                        help="the draft model's weight format (default: the draft model default, q4)")
+                        help="the draft model's weight format (default: the draft model default, q4-all)")
     parser.add_argument("--drafters", default=",".join(DRAFTERS), help=f"comma list of {', '.join(DRAFTERS)}")
     parser.add_argument("--temperatures", default="0.3,0.7,1.0", help="comma list, each > 0")
     parser.add_argument("--top-k", type=int, default=0)
