@@ -119,6 +119,19 @@ def test_q4_greedy_speculation_identical_to_plain(make_tiny_model, tiny_tokenize
         assert metrics.acceptance_rate == 1.0
 
 
+def _assert_row_invariant_and_lossless(model, tokenizer):
+    """A verify block's logits equal token-by-token decoding's, and greedy n-gram speculation (batch 3) equals plain
+    decoding with drafts made."""
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
+    reference = torch.cat([forward(model, cache, [[token]], [i], [0]) for i, token in enumerate(TOKENS)])
+    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
+    forward(model, cache, [TOKENS[:12]], [0], [0], all_logits=False)
+    assert torch.equal(forward(model, cache, [TOKENS[12:]], [12], [0]), reference[12:])
+    plain, _ = _run(model, tokenizer, PROMPTS)
+    speculative, metrics = _run(model, tokenizer, PROMPTS, NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1))
+    assert speculative == plain and metrics.drafted_tokens > 0
+
+
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_q4_pads_widths_that_are_no_multiple_of_256(make_tiny_model, tiny_tokenizer, architecture):
     """hidden 320, intermediate 448: every layer linear is q4 on padded widths, logits stay row invariant and
@@ -130,14 +143,7 @@ def test_q4_pads_widths_that_are_no_multiple_of_256(make_tiny_model, tiny_tokeni
     layer = model.layers[0]
     assert {layer.qkv_proj.format, layer.o_proj.format, layer.gate_up_proj.format, layer.down_proj.format} == {"q4"}
     assert (layer.qkv_proj.q4.padded_in_features, layer.down_proj.q4.padded_in_features) == (512, 512)
-    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
-    reference = torch.cat([forward(model, cache, [[token]], [i], [0]) for i, token in enumerate(TOKENS)])
-    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
-    forward(model, cache, [TOKENS[:12]], [0], [0], all_logits=False)
-    assert torch.equal(forward(model, cache, [TOKENS[12:]], [12], [0]), reference[12:])
-    plain, _ = _run(model, tiny_tokenizer, PROMPTS)
-    speculative, metrics = _run(model, tiny_tokenizer, PROMPTS, NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1))
-    assert speculative == plain and metrics.drafted_tokens > 0
+    _assert_row_invariant_and_lossless(model, tiny_tokenizer)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -152,11 +158,4 @@ def test_q4_all_runs_the_output_layer_as_q4(make_tiny_model, tiny_tokenizer, arc
     if tied.config.tie_word_embeddings:  # the copy is the same table, quantized once more
         dense = tied.embed_tokens.quantized.dequantize()
         assert (model.lm_head.q4.dequantize() - dense).norm() / dense.norm() < 0.1
-    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
-    reference = torch.cat([forward(model, cache, [[token]], [i], [0]) for i, token in enumerate(TOKENS)])
-    cache = KVCache(model.config, 1, 64, dtype=model.kv_cache_dtype)
-    forward(model, cache, [TOKENS[:12]], [0], [0], all_logits=False)
-    assert torch.equal(forward(model, cache, [TOKENS[12:]], [12], [0]), reference[12:])
-    plain, _ = _run(model, tiny_tokenizer, PROMPTS)
-    speculative, metrics = _run(model, tiny_tokenizer, PROMPTS, NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1))
-    assert speculative == plain and metrics.drafted_tokens > 0
+    _assert_row_invariant_and_lossless(model, tiny_tokenizer)
