@@ -141,6 +141,9 @@ def test_padded_widths_add_exactly_nothing(in_features):
     x, bias = _activations(9, in_features, seed=3)
     y = q4.q4_linear(x, weight, bias[:37])
     assert torch.equal(q4.q4_linear(x, dirty, bias[:37]), y)
+    # the same weight read as a full-width one, with the activations padded by explicit zero columns
+    full_width = q4.Q4Weight(weight.quants, weight.scales, padded)
+    assert torch.equal(q4.q4_linear(torch.nn.functional.pad(x, (0, padded - in_features)), full_width, bias[:37]), y)
     reference = x @ weight.dequantize().T + bias[:37]
     assert (y - reference).norm() / reference.norm() < 2e-2
     for row in range(9):  # row invariance at a padded width
@@ -210,6 +213,19 @@ def test_vector_path_matches_scalar(in_features, out_features, vector_path):
             scalar = [q4.q4_linear(x[:m], weight, with_bias) for m in row_counts]
         for m, y, y_scalar in zip(row_counts, vector, scalar):
             assert torch.equal(y, y_scalar), f"{vector_path}, M={m}, bias={with_bias is not None}"
+
+
+@pytest.mark.parametrize("in_features", [100, 896, 4864 + 32])
+def test_vector_path_matches_scalar_at_padded_widths(in_features, vector_path):
+    """Widths that are no multiple of 256: the kernel quantizes the activations as zero past in_features."""
+    g = torch.Generator().manual_seed(in_features)
+    weight = q4.quantize_q4(torch.randn(37, in_features, generator=g) * 0.05, search_steps=0)
+    x, bias = _activations(13, in_features, seed=4)
+    vector = [q4.q4_linear(x[:m], weight, bias[:37]) for m in (1, 2, 5, 13)]
+    with ops.forced_isa("scalar"):
+        scalar = [q4.q4_linear(x[:m], weight, bias[:37]) for m in (1, 2, 5, 13)]
+    for y, y_scalar in zip(vector, scalar):
+        assert torch.equal(y, y_scalar), vector_path
 
 
 def test_vector_path_matches_scalar_on_wide_outputs(vector_path):

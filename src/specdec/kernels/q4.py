@@ -9,10 +9,10 @@ every input a 4-bit quant ``q`` in 0..15::
 
 A Q4_K tensor's ``in_features`` is a multiple of 256 (Q4_K's rule; :class:`Q4ShapeError` otherwise). A weight
 quantized at load (:func:`quantize_q4`) may have any width: it is stored padded with zero columns to the next
-multiple of 256 (:func:`padded_width`), and :func:`q4_linear` pads the activations with zeros to match. A padded
-column adds exactly nothing (its activation quantizes to 0, and a sub-block of zero activations contributes
-0 to the min term), so the result is the unpadded weight's; the padding costs bytes only (896 -> 1024: 5.3 bits
-a weight instead of 4.6).
+multiple of 256 (:func:`padded_width`), and the kernel quantizes the activations as if zero beyond
+``in_features`` (no copy of them is padded). A padded column adds exactly nothing (its activation quantizes to
+0, and a sub-block of zero activations contributes 0 to the min term), so the result is the unpadded weight's;
+the padding costs bytes only (896 -> 1024: 5.3 bits a weight instead of 4.6).
 
 Storage, 148 bytes per row and super-block (4.625 bits per weight; Q4_K's 144 bytes pack the 6-bit scales and
 mins into 12 bytes, we keep one byte each so that the kernel reads them without unpacking bits):
@@ -431,9 +431,7 @@ def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = Non
         ext = ops._load()
         if ext is not None:
             rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            if weight.padded_in_features != weight.in_features:
-                rows = F.pad(rows, (0, weight.padded_in_features - weight.in_features))  # zeros add nothing
-            y = ext.q4_linear(rows, weight.quants, weight.scales, bias, weight.padded_in_features)
+            y = ext.q4_linear(rows, weight.quants, weight.scales, bias, weight.in_features)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
     return q4_linear_torch(x, weight, bias)
 

@@ -57,15 +57,17 @@ Q4Activations q4_activations_scratch(int64_t M, int64_t K, int64_t per_row) {
 torch::Tensor q4_linear(const torch::Tensor& x_in, const torch::Tensor& quants, const torch::Tensor& scales,
                         const c10::optional<torch::Tensor>& bias_in, int64_t in_features) {
   TORCH_CHECK(x_in.dim() == 2, "q4_linear: x must be 2-D [M, K]");
+  // K: the layer's inputs; Kp: the stored width, K padded to a multiple of 256 (the activations are quantized as
+  // if zero beyond K, which is what zero columns give: the padding adds nothing)
   const int64_t M = x_in.size(0), K = x_in.size(1);
   TORCH_CHECK(K == in_features, "q4_linear: x has ", K, " features, weight expects ", in_features);
-  TORCH_CHECK(K > 0 && K % kQ4SuperBlock == 0, "q4_linear: in_features must be a multiple of ", kQ4SuperBlock,
-              " (Q4_K super-blocks), got ", K);
-  TORCH_CHECK(quants.dim() == 2 && quants.scalar_type() == at::kByte && quants.is_contiguous() &&
-                  quants.size(1) == K / 2,
-              "q4_linear: quants must be contiguous uint8 [N, K/2]");
+  TORCH_CHECK(quants.dim() == 2 && quants.scalar_type() == at::kByte && quants.is_contiguous(),
+              "q4_linear: quants must be contiguous uint8 [N, Kp/2]");
+  const int64_t Kp = quants.size(1) * 2;
+  TORCH_CHECK(K > 0 && Kp % kQ4SuperBlock == 0 && Kp >= K && Kp - K < kQ4SuperBlock,
+              "q4_linear: quants [N, ", Kp / 2, "] do not hold ", K, " inputs padded to a multiple of ", kQ4SuperBlock);
   const int64_t N = quants.size(0);
-  const int64_t scale_row_bytes = K / kQ4SuperBlock * kQ4ScaleBytes;
+  const int64_t scale_row_bytes = Kp / kQ4SuperBlock * kQ4ScaleBytes;
   TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kByte && scales.is_contiguous() &&
                   scales.size(0) == N && scales.size(1) == scale_row_bytes,
               "q4_linear: scales must be contiguous uint8 [N, ", scale_row_bytes, "]");
@@ -73,9 +75,9 @@ torch::Tensor q4_linear(const torch::Tensor& x_in, const torch::Tensor& quants, 
   auto y = torch::empty({M, N}, in.x.options());
   if (M == 0 || N == 0) return y;
 
-  const Layout L(K);
+  const Layout L(Kp);
   const int64_t ldc = L.U * 16;
-  const Q4Activations act = q4_activations_scratch(M, K, ldc);
+  const Q4Activations act = q4_activations_scratch(M, Kp, ldc);
   const float* xp = in.x.data_ptr<float>();
   const Isa isa = active_isa();
   const bool avx2_vnni = isa == Isa::avx2 && cpu_has_avx_vnni();  // the avx2 path's vpdpbusd (VEX) variant
@@ -92,8 +94,8 @@ torch::Tensor q4_linear(const torch::Tensor& x_in, const torch::Tensor& quants, 
   // activation rows (a multiple of both paths' tile rows) while its weights stay in cache. Who computes a tile,
   // and with which other rows, never changes its result.
   const int64_t ntiles = (N + kQ4Rows - 1) / kQ4Rows;
-  const int64_t tile_bytes = kQ4Rows * (K / 2 + scale_row_bytes);
-  const int64_t mb = std::max<int64_t>(12, ((96 * 1024) / K) / 12 * 12);
+  const int64_t tile_bytes = kQ4Rows * (Kp / 2 + scale_row_bytes);
+  const int64_t mb = std::max<int64_t>(12, ((96 * 1024) / Kp) / 12 * 12);
   const int64_t chunk = chunk_tiles(ntiles, tile_bytes, M, M <= mb);
   const int64_t nchunks = (ntiles + chunk - 1) / chunk;
   auto run_chunk = [&](int64_t c) {
