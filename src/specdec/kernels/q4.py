@@ -400,11 +400,10 @@ def _quantize_super_blocks(rows: torch.Tensor, search_steps: int) -> Q4Blocks:
 
 def quantize_q4(weight: torch.Tensor, search_steps: int = 20) -> Q4Weight:
     """weight [out, in] (any float dtype, any width: padded with zero columns to padded_width(in)) -> Q4Weight,
-    quantized once (at load, for fp16 /
-    bf16 safetensors and other non-Q4_K sources) as llama.cpp's reference Q4_K quantizer does: per sub-block a
-    weighted least-squares search for scale and min (``search_steps`` stretched grids; 0: plain min/max), then
-    6-bit scales and mins relative to the super-block's largest, fp16 d and dmin, and the quants rounded
-    against those quantized scales."""
+    quantized once (at load, for fp16 / bf16 safetensors and other non-Q4_K sources) as llama.cpp's reference
+    Q4_K quantizer does: per sub-block a weighted least-squares search for scale and min (``search_steps``
+    stretched grids; 0: plain min/max), then 6-bit scales and mins relative to the super-block's largest, fp16 d
+    and dmin, and the quants rounded against those quantized scales."""
     if weight.dim() != 2:
         raise ValueError("weight must be [out_features, in_features]")
     out, in_features = weight.shape
