@@ -1,4 +1,4 @@
-"""Row-invariant CPU kernels (int8 and 4-bit linear, range attention); see ops.py and q4.py."""
+"""Row-invariant CPU kernels (int8, 4-bit and 6-bit linear, range attention); see ops.py, q4.py and q6.py."""
 
 from specdec.kernels.ops import (
     QKNormRope,
@@ -19,10 +19,13 @@ from specdec.kernels.ops import (
     supported_isas,
 )
 from specdec.kernels.q4 import Q4ShapeError, Q4Weight, q4_from_q4k_blocks, q4_linear, q4_supports, quantize_q4
+from specdec.kernels.q6 import Q6ShapeError, Q6Weight, q6_from_q6k_blocks, q6_linear, q6_supports
 
 __all__ = [
     "Q4ShapeError",
     "Q4Weight",
+    "Q6ShapeError",
+    "Q6Weight",
     "QKNormRope",
     "QuantizedWeight",
     "argmax_rows",
@@ -37,6 +40,9 @@ __all__ = [
     "q4_from_q4k_blocks",
     "q4_linear",
     "q4_supports",
+    "q6_from_q6k_blocks",
+    "q6_linear",
+    "q6_supports",
     "q8_linear",
     "qk_norm_rope",
     "quantize_q4",

@@ -1,4 +1,4 @@
-// specdec's CPU kernels: the int8 weight-only linear in two weight layouts, the 4-bit linear, range (and tree)
+// specdec's CPU kernels: the int8 weight-only linear in two weight layouts, the 4- and 6-bit linears, range (and tree)
 // attention, and the row-wise ops of a transformer layer, each with one fixed reduction order per output element
 // that depends neither on the number of rows, nor on the other rows, nor on the thread count (row invariance).
 //
@@ -15,9 +15,12 @@
 //   csrc/linear_avx2.h     the int8 linear, vnni layout, AVX2 (and again with AVX-VNNI where the CPU has it)
 //   csrc/linear_amx.h      the int8 linear, amx layout (AMX tiles, and AVX-512 VNNI for few rows)
 //   csrc/q4_scalar.h       the 4-bit linear (q4, GGUF Q4_K blocks): its layout, reduction order and scalar path
-//   csrc/q4_avx512.h, q4_avx2.h, q4_walk.h   ... its vector paths (the amx path runs the avx512 one; q4_avx2.h
-//                          is compiled again with AVX-VNNI, as linear_avx2.h), their walk
-//   csrc/linear.h, q4_linear.h, attention.h, rowwise.h   the entry points
+//   csrc/q4_avx512.h, q4_avx2.h   ... its vector paths (the amx path runs the avx512 one; q4_avx2.h is compiled
+//                          again with AVX-VNNI, as linear_avx2.h)
+//   csrc/q6_scalar.h       the 6-bit linear (q6, GGUF Q6_K blocks): its layout, reduction order and scalar path
+//   csrc/q6_avx512.h, q6_avx2.h   ... its vector paths (as q4's)
+//   csrc/block_walk.h      the walk of the q4 and q6 linears over tiles and row blocks, for every vector path
+//   csrc/linear.h, q4_linear.h, q6_linear.h, attention.h, rowwise.h   the entry points
 // This file includes them in order (the vector paths inside their own namespace and target) and binds them.
 
 #include <torch/extension.h>
@@ -51,6 +54,7 @@ namespace {
 #include "csrc/common.h"
 #include "csrc/scalar.h"
 #include "csrc/q4_scalar.h"
+#include "csrc/q6_scalar.h"
 #include "csrc/q4_quantize.h"
 
 #pragma GCC push_options
@@ -61,7 +65,8 @@ namespace avx2 {
 #include "csrc/linear_avx2.h"
 #include "csrc/linear_walk.h"
 #include "csrc/q4_avx2.h"
-#include "csrc/q4_walk.h"
+#include "csrc/q6_avx2.h"
+#include "csrc/block_walk.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -73,7 +78,8 @@ namespace avx2_vnni {
 #include "csrc/linear_avx2.h"
 #include "csrc/linear_walk.h"
 #include "csrc/q4_avx2.h"
-#include "csrc/q4_walk.h"
+#include "csrc/q6_avx2.h"
+#include "csrc/block_walk.h"
 #undef SPECDEC_AVX_VNNI
 }  // namespace avx2_vnni
 #pragma GCC pop_options
@@ -86,7 +92,8 @@ namespace avx512 {
 #include "csrc/linear_avx512.h"
 #include "csrc/linear_walk.h"
 #include "csrc/q4_avx512.h"
-#include "csrc/q4_walk.h"
+#include "csrc/q6_avx512.h"
+#include "csrc/block_walk.h"
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -99,6 +106,7 @@ namespace amx {
 
 #include "csrc/linear.h"
 #include "csrc/q4_linear.h"
+#include "csrc/q6_linear.h"
 #include "csrc/attention.h"
 #include "csrc/rowwise.h"
 
@@ -141,6 +149,7 @@ int64_t parallel_threads(int64_t n) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "int8 weight x Q8_0 activation linear (row invariant)");
   m.def("q4_linear", &q4_linear, "4-bit weight (Q4_K blocks) x Q8_0 activation linear (row invariant)");
+  m.def("q6_linear", &q6_linear, "6-bit weight (Q6_K blocks) x Q8_0 activation linear (row invariant)");
   m.def("q4_fit_sub_blocks", &q4_fit_sub_blocks, "quantize_q4's scale and min search per sub-block of 32 weights");
   m.def("avx_vnni", &cpu_has_avx_vnni, "whether the avx2 path runs its AVX-VNNI variant (CPU, SPECDEC_AVX_VNNI)");
   m.def("attention", &attention, "range attention (row invariant), optionally followed by extra keys per row",

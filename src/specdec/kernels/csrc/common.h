@@ -176,6 +176,26 @@ void run_chunk_workers(int64_t nchunks, const Worker& worker) {
   }
 }
 
+// The threading of the block-quantized linears (q4, q6): weight rows in tiles of 4 of tile_bytes, handed out in
+// chunks of tiles (chunk_tiles); each chunk is walked for every block of activation rows (a multiple of 12, so of
+// every path's tile rows; ~96 KiB of activations of K values each) while its weights stay in cache:
+// block(n0, n1, m0, m1) computes weight rows [n0, n1) x activation rows [m0, m1). Who computes a tile, and with
+// which other rows, never changes its result.
+template <class Block>
+void run_weight_tiles(int64_t N, int64_t M, int64_t K, int64_t tile_bytes, const Block& block) {
+  constexpr int64_t kTile = 4;
+  const int64_t ntiles = (N + kTile - 1) / kTile;
+  const int64_t mb = std::max<int64_t>(12, ((96 * 1024) / K) / 12 * 12);
+  const int64_t chunk = chunk_tiles(ntiles, tile_bytes, M, M <= mb);
+  const int64_t nchunks = (ntiles + chunk - 1) / chunk;
+  run_chunk_workers(nchunks, [&](std::atomic<int64_t>& next) {
+    for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) {
+      const int64_t n0 = c * chunk * kTile, n1 = std::min(N, (c + 1) * chunk * kTile);
+      for (int64_t m0 = 0; m0 < M; m0 += mb) block(n0, n1, m0, std::min(M, m0 + mb));
+    }
+  });
+}
+
 // Weight bytes of one K slice of a 4-row tile: a tile wider than this is walked slice by slice, every
 // activation row block over one slice before the next, so that the slice stays in L1 while it is reused.
 constexpr int64_t kSliceBytes = 8 * 1024;

@@ -1,7 +1,7 @@
 // The q4 linear (see q4_scalar.h for the layout and the reduction order), AVX2: 4 weight rows x up to 4 activation
 // rows per tile, walked in passes of 2 weight rows over each lane half (lanes 0-7 = bytes 0-31 of every 64-byte
 // chunk, lanes 8-15 = bytes 32-63), so that a pass's accumulators fit in the 16 registers. Included inside
-// namespace avx2 after linear_avx2.h (finish_tile), before q4_walk.h.
+// namespace avx2 after linear_avx2.h (finish_tile), before block_walk.h.
 //
 // The integer dots without vpdpbusd: vpmaddubsw(q, x) multiplies the unsigned quants (0..15) with the signed
 // activations (-127..127) and adds adjacent pairs into int16, |pair| <= 2 * 15 * 127 = 3810, so it never
@@ -116,5 +116,3 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
     }
   }
 }
-
-constexpr int kQ4TileRows = 4;  // activation rows per tile

@@ -1,6 +1,6 @@
 // The q4 linear (see q4_scalar.h for the layout and the reduction order), AVX-512 VNNI: 4 weight rows x up to 4
 // activation rows per tile. Included inside namespace avx512 after linear_avx512.h (finish_tile), before
-// q4_walk.h (the walk over tiles and row blocks). The amx path runs this code too.
+// block_walk.h (the walk over tiles and row blocks). The amx path runs this code too.
 //
 // Each 64-byte chunk of quants is two weight vectors (its low nibbles, its high nibbles), one vpdpbusd each per
 // activation row: unsigned quants 0..15 times signed int8 activations, summed exactly into the lane's int32.
@@ -92,5 +92,3 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
     }
   }
 }
-
-constexpr int kQ4TileRows = 4;  // activation rows per tile

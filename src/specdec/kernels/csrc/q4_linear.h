@@ -90,30 +90,17 @@ torch::Tensor q4_linear(const torch::Tensor& x_in, const torch::Tensor& quants, 
   const uint8_t* S = scales.data_ptr<uint8_t>();
   const float* bp = in.bias.defined() ? in.bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // Weight rows in tiles of 4, handed out in chunks of tiles; each chunk is walked for every block of mb
-  // activation rows (a multiple of both paths' tile rows) while its weights stay in cache. Who computes a tile,
-  // and with which other rows, never changes its result.
-  const int64_t ntiles = (N + kQ4Rows - 1) / kQ4Rows;
   const int64_t tile_bytes = kQ4Rows * (Kp / 2 + scale_row_bytes);
-  const int64_t mb = std::max<int64_t>(12, ((96 * 1024) / Kp) / 12 * 12);
-  const int64_t chunk = chunk_tiles(ntiles, tile_bytes, M, M <= mb);
-  const int64_t nchunks = (ntiles + chunk - 1) / chunk;
-  auto run_chunk = [&](int64_t c) {
-    const int64_t n0 = c * chunk * kQ4Rows, n1 = std::min(N, (c + 1) * chunk * kQ4Rows);
-    for (int64_t m0 = 0; m0 < M; m0 += mb) {
-      const int64_t m1 = std::min(M, m0 + mb);
-      if (at_least(isa, Isa::avx512))  // and amx, which has no tile kernel of this layout
-        avx512::q4_linear_block(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
-      else if (avx2_vnni)
-        avx2_vnni::q4_linear_block(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
-      else if (isa == Isa::avx2)
-        avx2::q4_linear_block(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
-      else
-        q4_linear_block_scalar(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
-    }
-  };
-  run_chunk_workers(nchunks, [&](std::atomic<int64_t>& next) {
-    for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) run_chunk(c);
+  run_weight_tiles(N, M, Kp, tile_bytes, [&](int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
+    if (at_least(isa, Isa::avx512))  // and amx, which has no tile kernel of this layout
+      avx512::block_linear_block<avx512::Q4Units>(W, S, act.q, act.scales, act.sums, Kp, bp, yp, N, n0, n1, m0, m1);
+    else if (avx2_vnni)
+      avx2_vnni::block_linear_block<avx2_vnni::Q4Units>(W, S, act.q, act.scales, act.sums, Kp, bp, yp, N, n0, n1,
+                                                        m0, m1);
+    else if (isa == Isa::avx2)
+      avx2::block_linear_block<avx2::Q4Units>(W, S, act.q, act.scales, act.sums, Kp, bp, yp, N, n0, n1, m0, m1);
+    else
+      q4_linear_block_scalar(W, S, act.q, act.scales, act.sums, L, bp, yp, N, n0, n1, m0, m1);
   });
   return y;
 }
