@@ -34,15 +34,24 @@ def forward(model, cache, token_lists, starts, slots, all_logits=True):
 
 
 def test_linear_format_rules():
-    storage = TensorStorage(types={"a": "Q4_K", "b": "Q4_K", "c": "Q6_K", "d": "F16", "e": "Q5_0", "f": "Q8_0"},
-                            q4k_bytes={"a": torch.zeros(1), "b": torch.zeros(1)})
+    storage = TensorStorage(types={"a": "Q4_K", "b": "Q4_K", "c": "Q6_K", "d": "F16", "e": "Q5_0", "f": "Q8_0",
+                                   "g": "Q6_K"},
+                            block_bytes={name: torch.zeros(1) for name in "abcg"})
     assert storage.linear_format(["a", "b"], 512, "auto") == "q4"  # Q4_K: lossless
-    assert storage.linear_format(["a", "c"], 512, "auto") == "q8"  # a Q6_K part keeps the fused linear at q8
+    assert storage.linear_format(["c", "g"], 512, "auto") == "q6"  # Q6_K: lossless
+    assert storage.linear_format(["c"], 512, "q4") == "q6"  # q4 keeps Q6_K layers at 6 bits too
+    assert storage.linear_format(["c"], 640, "auto") == "q8"  # a Q6_K tensor of a width Q6_K cannot have
+    assert storage.linear_format(["a", "c"], 512, "auto") == "q8"  # mixed Q4_K / Q6_K parts: q8
     assert storage.linear_format(["d"], 512, "auto") == "q8"  # auto never quantizes to 4 bits at load
     assert storage.linear_format(["d"], 512, "q4") == "q4"  # q4 does (fp16)
     assert storage.linear_format(["e"], 896, "q4") == "q4"  # Q5_0 (Q4_K_M's type for widths that are no multiple
     assert storage.linear_format(["e"], 896, "auto") == "q8"  # of 256) is quantized to q4, padded, under q4 only
-    assert storage.linear_format(["c"], 512, "q4") == "q8"  # Q6_K and Q8_0 layers stay q8 under q4
+    assert storage.linear_format(["f"], 512, "q4") == "q8"  # Q8_0 layers stay q8 under q4
+    assert TensorStorage(types={"c": "Q6_K"}).linear_format(["c"], 512, "auto") == "q8"  # no bytes kept: q8
+    # the bytes a format loads losslessly: Q4_K's for q4, Q6_K's for q6, none for a format that requantizes
+    assert storage.lossless_bytes(["a", "b"], "q4").shape == (2,) and storage.lossless_bytes(["c"], "q6").shape == (1,)
+    for names, linear_format in ((["c"], "q4"), (["a", "c"], "q4"), (["a"], "q6"), (["a"], "q8"), (["d"], "q4")):
+        assert storage.lossless_bytes(names, linear_format) is None, (names, linear_format)
     assert storage.linear_format(["d"], 640, "q4") == "q4"  # any width quantizes at load (padded to 768)
     assert storage.linear_format(["a"], 640, "auto") == "q8"  # a Q4_K tensor of a width Q4_K cannot have
     for names in (["a", "b"], ["a", "c"], ["c"], ["d"], ["e"], ["f"]):  # q4-all: every storage, any width

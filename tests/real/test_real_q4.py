@@ -1,5 +1,6 @@
-"""The real Q4_K_M files under the default weight format (auto): their Q4_K layers run as q4 and carry the file's
-values exactly (the fp32 dequantization of the same bytes), everything else stays q8."""
+"""The real Q4_K_M files under the default weight format (auto): their Q4_K layers run as q4 and their Q6_K layers
+as q6, both carrying the file's values exactly (the fp32 dequantization of the same bytes); everything else stays
+q8."""
 import pytest
 import torch
 
@@ -11,18 +12,18 @@ from real_models import real_model_path
 pytestmark = pytest.mark.real
 
 
-def test_gemma_q4k_layers_are_q4_and_lossless():
+def test_gemma_block_layers_are_q4_and_q6_and_lossless():
     real_model_path("gemma-3-270m")
-    checkpoint = load_checkpoint(model_path("gemma-3-270m"), keep_q4k_bytes=True)
+    checkpoint = load_checkpoint(model_path("gemma-3-270m"), keep_block_bytes=True)
     model = Transformer(checkpoint.config, checkpoint.tensors, "auto", storage=checkpoint.storage)
-    q4_layers = 0
+    counts = {"Q4_K": 0, "Q6_K": 0}
     for index, layer in enumerate(model.layers):
         for linear, name in ((layer.o_proj, "o_proj"), (layer.down_proj, "down_proj")):
             stored = checkpoint.storage.types[f"layers.{index}.{name}"]
-            assert linear.format == ("q4" if stored == "Q4_K" else "q8"), (index, name, stored)
-            if stored == "Q4_K":
-                q4_layers += 1
-                assert torch.equal(linear.q4.dequantize(), checkpoint.tensors[f"layers.{index}.{name}"])
+            assert linear.format == {"Q4_K": "q4", "Q6_K": "q6"}.get(stored, "q8"), (index, name, stored)
+            if stored in counts:
+                counts[stored] += 1
+                assert torch.equal(linear.blocks.dequantize(), checkpoint.tensors[f"layers.{index}.{name}"])
         assert layer.qkv_proj.format == "q8"  # Q5_0 / Q8_0 in this file, and 640 inputs
-    assert q4_layers == 27  # 18 o_proj + 9 down_proj stored as Q4_K
-    assert set(model.linear_bytes()) == {"q4", "q8"}
+    assert counts == {"Q4_K": 27, "Q6_K": 9}  # 18 o_proj + 9 down_proj as Q4_K, 9 down_proj as Q6_K
+    assert set(model.linear_bytes()) == {"q4", "q6", "q8"}

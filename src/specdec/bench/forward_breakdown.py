@@ -37,9 +37,10 @@ class ForwardBreakdown:
 
 
 def _linear_label(linear: Linear) -> str:
-    """'linear INxOUT', with ' q4' after a layer in the q4 format (a model in auto mixes q4 and q8 layers)."""
-    if linear.q4 is not None:
-        return f"linear {linear.q4.in_features}x{linear.out_features} q4"
+    """'linear INxOUT', with ' q4' or ' q6' after a layer in those formats (a model in auto mixes q4, q6 and q8
+    layers)."""
+    if linear.blocks is not None:
+        return f"linear {linear.blocks.in_features}x{linear.out_features} {linear.format}"
     if linear.quantized is not None:
         return f"linear {linear.quantized.in_features}x{linear.out_features}"
     return f"linear {linear.dense.shape[1]}x{linear.out_features}"

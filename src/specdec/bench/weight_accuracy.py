@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = configure_threads(args.threads)
     datasets = args.dataset or ["../shared/data/spec_bench_dev.jsonl", "../shared/data/humaneval_dev.jsonl"]
     path = resolve_model(args.model)
-    checkpoint = load_checkpoint(path, keep_q4k_bytes=True)
+    checkpoint = load_checkpoint(path, keep_block_bytes=True)
     tokenizer = checkpoint.tokenizer
     texts = [tokenizer.encode(text)[: args.max_tokens] for text in held_out_texts(datasets, args.texts,
                                                                                   args.held_out_of)]

@@ -14,17 +14,22 @@ import torch.nn.functional as F
 
 from specdec.kernels import QuantizedWeight, embedding, q8_linear, quantize_weight
 from specdec.kernels.q4 import Q4Weight, q4_from_q4k_blocks, q4_linear, q4_supports, quantize_q4
+from specdec.kernels.q6 import Q6Weight, q6_from_q6k_blocks, q6_linear, q6_supports
 
-# auto: q4 where the file stores a layer as Q4_K (lossless, half q8's bytes), q8 elsewhere (the default; see
-#       docs/kernels.md, "Weight formats").
-# q4:   also quantizes to 4 bits at load what the file stores as fp32 / fp16 / bf16 / Q4_0 / Q4_1 / Q5_0 (the
-#       type llama.cpp's Q4_K_M files use instead of Q4_K where a width is no multiple of 256), any width (padded).
+# auto: q4 where the file stores a layer as Q4_K, q6 where it stores it as Q6_K (both lossless: the file's blocks,
+#       repacked; 4.6 and 6.6 bits a weight), q8 elsewhere (the default; see docs/kernels.md, "Weight formats").
+# q4:   as auto, and also quantizes to 4 bits at load what the file stores as fp32 / fp16 / bf16 / Q4_0 / Q4_1 /
+#       Q5_0 (the type llama.cpp's Q4_K_M files use instead of Q4_K where a width is no multiple of 256), any width
+#       (padded).
 # q4-all: q4 for every linear layer, the output layer and the file's 6- and 8-bit layers included (a tied output
 #       layer gets a q4 copy beside the q8 embedding table): the fewest bytes a token, for draft models, whose
 #       weights choose the proposals, never the output.
 # q8:   every layer int8.   fp32: the reference (torch's matmul, not row invariant).
 WEIGHT_FORMATS = ("auto", "q4", "q4-all", "q8", "fp32")
 Q4_LOSSLESS_STORAGE = frozenset({"Q4_K"})
+Q6_LOSSLESS_STORAGE = frozenset({"Q6_K"})
+BLOCK_STORAGE = Q4_LOSSLESS_STORAGE | Q6_LOSSLESS_STORAGE  # the types whose raw bytes a checkpoint keeps
+LOSSLESS_STORAGE = {"q4": "Q4_K", "q6": "Q6_K"}  # the storage each block format loads losslessly
 Q4_QUANTIZED_STORAGE = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0"})
 
 
@@ -36,24 +41,35 @@ def check_weight_format(weight_format: str) -> None:
 @dataclass(frozen=True)
 class TensorStorage:
     """How a checkpoint stored its tensors: the storage type per canonical name ("Q4_K", "Q6_K", "F16", "BF16",
-    ...; absent = fp32) and the raw bytes of its Q4_K tensors ([out, in/256 * 144] uint8), which q4 loads
-    losslessly."""
+    ...; absent = fp32) and the raw bytes of its Q4_K and Q6_K tensors ([out, in/256 * 144] and [out, in/256 *
+    210] uint8), which q4 and q6 load losslessly."""
 
     types: dict[str, str] = field(default_factory=dict)
-    q4k_bytes: dict[str, torch.Tensor] = field(default_factory=dict)
+    block_bytes: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def linear_format(self, names: list[str], in_features: int, weight_format: str) -> str:
-        """The format ("q4", "q8" or "fp32") of a linear made of the row-concatenated tensors ``names``."""
+        """The format ("q4", "q6", "q8" or "fp32") of a linear made of the row-concatenated tensors ``names``."""
         check_weight_format(weight_format)
         if weight_format in ("q8", "fp32"):
             return weight_format
         storage = {self.types.get(name, "F32") for name in names}
-        if (storage <= Q4_LOSSLESS_STORAGE and q4_supports(in_features)
-                and all(name in self.q4k_bytes for name in names)):
+        have_bytes = all(name in self.block_bytes for name in names)
+        if storage <= Q4_LOSSLESS_STORAGE and q4_supports(in_features) and have_bytes:
             return "q4"
+        if weight_format != "q4-all" and storage <= Q6_LOSSLESS_STORAGE and q6_supports(in_features) and have_bytes:
+            return "q6"
         if weight_format == "q4-all" or (weight_format == "q4" and storage <= Q4_QUANTIZED_STORAGE):
             return "q4"
         return "q8"
+
+    def lossless_bytes(self, names: list[str], linear_format: str) -> torch.Tensor | None:
+        """The file's blocks of the row-concatenated tensors ``names`` ([out, in/256 * 144 or 210] uint8) when
+        ``linear_format`` loads them losslessly (q4 from Q4_K, q6 from Q6_K bytes), else None."""
+        storage_type = LOSSLESS_STORAGE.get(linear_format)
+        if storage_type is None or not all(self.types.get(name) == storage_type and name in self.block_bytes
+                                           for name in names):
+            return None
+        return torch.cat([self.block_bytes[name] for name in names])
 
 
 class RotaryTable:
@@ -83,45 +99,62 @@ class Linear:
     """A linear layer in one weight format; call it on activations [rows, in] -> [rows, out] fp32.
 
     q8: int8 weights with per-row scales, our row-invariant kernel (see docs/kernels.md).
-    q4: GGUF Q4_K's 4-bit blocks, our row-invariant kernel (kernels/q4.py).
+    q4, q6: GGUF Q4_K's 4-bit and Q6_K's 6-bit blocks, our row-invariant kernels (kernels/q4.py, kernels/q6.py).
     fp32: dense fp32 weights and torch's F.linear (reference / parity tests; not row-invariant).
-    Exactly one of dense, quantized and q4 is set.
+    Exactly one of dense, quantized and blocks is set.
     """
 
     dense: torch.Tensor | None  # [out, in] fp32, fp32 format only
     quantized: QuantizedWeight | None  # q8 format only
     bias: torch.Tensor | None  # [out] fp32
-    q4: Q4Weight | None = None  # q4 format only
+    blocks: Q4Weight | Q6Weight | None = None  # q4 and q6 formats only
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str,
-              q4k_bytes: torch.Tensor | None = None) -> "Linear":
-        """weight [out, in] in "q8", "q4" or "fp32" (a resolved format, see TensorStorage.linear_format); q4 from
-        ``q4k_bytes`` (the file's Q4_K bytes of this weight, lossless) when given, else quantized from weight."""
+              block_bytes: torch.Tensor | None = None) -> "Linear":
+        """weight [out, in] in "q8", "q4", "q6" or "fp32" (a resolved format, see TensorStorage.linear_format);
+        q4 and q6 from ``block_bytes`` (the file's Q4_K or Q6_K bytes of this weight, lossless) when given, q4 else
+        quantized from weight."""
+        out_features, in_features = weight.shape
         if weight_format == "q8":
             return cls(dense=None, quantized=quantize_weight(weight), bias=bias)
         if weight_format == "q4":
-            out_features, in_features = weight.shape
-            q4 = (q4_from_q4k_blocks(q4k_bytes, out_features, in_features) if q4k_bytes is not None
+            q4 = (q4_from_q4k_blocks(block_bytes, out_features, in_features) if block_bytes is not None
                   else quantize_q4(weight))
-            return cls(dense=None, quantized=None, bias=bias, q4=q4)
+            return cls(dense=None, quantized=None, bias=bias, blocks=q4)
+        if weight_format == "q6":
+            if block_bytes is None:
+                raise ValueError("q6 loads a file's Q6_K blocks: it has no quantizer (use q8 or q4)")
+            return cls(dense=None, quantized=None, bias=bias,
+                       blocks=q6_from_q6k_blocks(block_bytes, out_features, in_features))
         if weight_format == "fp32":
             return cls(dense=weight.float().contiguous(), quantized=None, bias=bias)
-        raise ValueError(f"unknown linear format {weight_format!r}; choose one of q8, q4, fp32")
+        raise ValueError(f"unknown linear format {weight_format!r}; choose one of q8, q4, q6, fp32")
+
+    @property
+    def q4(self) -> Q4Weight | None:
+        return self.blocks if isinstance(self.blocks, Q4Weight) else None
+
+    @property
+    def q6(self) -> Q6Weight | None:
+        return self.blocks if isinstance(self.blocks, Q6Weight) else None
 
     @property
     def format(self) -> str:
-        return "q4" if self.q4 is not None else "q8" if self.quantized is not None else "fp32"
+        if self.blocks is not None:
+            return "q4" if isinstance(self.blocks, Q4Weight) else "q6"
+        return "q8" if self.quantized is not None else "fp32"
 
     @property
     def out_features(self) -> int:
-        if self.q4 is not None:
-            return self.q4.out_features
+        if self.blocks is not None:
+            return self.blocks.out_features
         return self.dense.shape[0] if self.dense is not None else self.quantized.scale.shape[0]
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.q4 is not None:
-            return q4_linear(inputs, self.q4, self.bias)
+        if self.blocks is not None:
+            block_linear = q4_linear if isinstance(self.blocks, Q4Weight) else q6_linear
+            return block_linear(inputs, self.blocks, self.bias)
         if self.quantized is not None:
             return q8_linear(inputs, self.quantized, self.bias)
         return F.linear(inputs, self.dense, self.bias)
@@ -130,8 +163,8 @@ class Linear:
         """The layer restricted to some output rows, bit for bit the same weights: row_ids [n] -> [rows n, in]."""
         row_ids = row_ids.to(dtype=torch.long)
         bias = None if self.bias is None else self.bias[row_ids]
-        if self.q4 is not None:
-            return Linear(dense=None, quantized=None, bias=bias, q4=self.q4.rows(row_ids))
+        if self.blocks is not None:
+            return Linear(dense=None, quantized=None, bias=bias, blocks=self.blocks.rows(row_ids))
         if self.quantized is not None:
             weight = self.quantized
             rows = QuantizedWeight.from_int8(
@@ -143,15 +176,15 @@ class Linear:
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the weight as an embedding table: token_ids [n] -> [n, in] fp32 (q8 and fp32 only: embedding
         tables are kept at q8 under q4)."""
-        if self.q4 is not None:
-            raise ValueError("a q4 linear is not an embedding table (embeddings are built at q8)")
+        if self.blocks is not None:
+            raise ValueError(f"a {self.format} linear is not an embedding table (embeddings are built at q8)")
         if self.quantized is not None:
             return embedding(token_ids, self.quantized)
         return self.dense[token_ids]
 
     def nbytes(self) -> int:
-        if self.q4 is not None:
-            return self.q4.nbytes
+        if self.blocks is not None:
+            return self.blocks.nbytes
         if self.dense is not None:
             return self.dense.numel() * self.dense.element_size()
         return self.quantized.nbytes

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from specdec.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from specdec.models.layers import TensorStorage
+from specdec.models.layers import BLOCK_STORAGE, TensorStorage
 from specdec.models.tokenizer import Tokenizer
 
 
@@ -46,17 +46,17 @@ class Checkpoint:
     storage: TensorStorage = field(default_factory=TensorStorage)  # how the file stored them
 
 
-def load_checkpoint(path: str | os.PathLike[str], keep_q4k_bytes: bool = False) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike[str], keep_block_bytes: bool = False) -> Checkpoint:
     """Load a ``.gguf`` file or a Hugging Face directory (config.json + *.safetensors + tokenizer.json).
 
-    keep_q4k_bytes: also keep a GGUF's Q4_K tensors as their raw bytes (``checkpoint.storage``), from which the
-    q4 format loads them losslessly."""
+    keep_block_bytes: also keep a GGUF's Q4_K and Q6_K tensors as their raw bytes (``checkpoint.storage``), from
+    which the q4 and q6 formats load them losslessly."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"no such model file or directory: {path}")
     if path.is_dir():
         return load_hf_dir(path)
-    return load_gguf(path, keep_q4k_bytes)
+    return load_gguf(path, keep_block_bytes)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -90,9 +90,9 @@ GEMMA3_SLIDING_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
-def load_gguf(path: str | os.PathLike[str], keep_q4k_bytes: bool = False) -> Checkpoint:
+def load_gguf(path: str | os.PathLike[str], keep_block_bytes: bool = False) -> Checkpoint:
     """Load a GGUF file: config from its metadata, fp32 tensors in canonical names, its tokenizer, and how the
-    file stored each tensor (with the raw bytes of its Q4_K tensors when ``keep_q4k_bytes``)."""
+    file stored each tensor (with the raw bytes of its Q4_K and Q6_K tensors when ``keep_block_bytes``)."""
     path = Path(path).expanduser()
     gguf_file = read_gguf_file(path)
     metadata = _GGUFMetadata(gguf_file.metadata, path)
@@ -102,21 +102,23 @@ def load_gguf(path: str | os.PathLike[str], keep_q4k_bytes: bool = False) -> Che
     tensors = GGUFTensors(gguf_file, config, path)
     _check_tensor_set(tensors, config, path)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer,
-                      storage=_gguf_storage(gguf_file, config, path, keep_q4k_bytes))
+                      storage=_gguf_storage(gguf_file, config, path, keep_block_bytes))
 
 
-def _gguf_storage(gguf_file: GGUFFile, config: ModelConfig, path: Path, keep_q4k_bytes: bool) -> TensorStorage:
-    """Each tensor's GGUF type, and (keep_q4k_bytes) a copy of the bytes of every 2-D Q4_K tensor, [out, bytes]
-    uint8, with llama's q/k rows unpermuted as the fp32 tensors are (a row permutation: lossless on blocks)."""
+def _gguf_storage(gguf_file: GGUFFile, config: ModelConfig, path: Path, keep_block_bytes: bool) -> TensorStorage:
+    """Each tensor's GGUF type, and (keep_block_bytes) a copy of the bytes of every 2-D Q4_K and Q6_K tensor,
+    [out, bytes] uint8, with llama's q/k rows unpermuted as the fp32 tensors are (a row permutation: lossless on
+    blocks)."""
     storage = TensorStorage()
     for info in gguf_file.tensors:
         name = _canonical_gguf_name(info.name, path)
         type_name = _ggml_type_name(info.ggml_type)
         storage.types[name] = type_name
-        if keep_q4k_bytes and type_name == "Q4_K" and len(info.shape) == 2:
-            storage.q4k_bytes[name] = torch.from_numpy(np.array(gguf_file.tensor_bytes(info)))  # [out, in/256*144]
+        if keep_block_bytes and type_name in BLOCK_STORAGE and len(info.shape) == 2:
+            # [out, in/256 * 144 (Q4_K) or 210 (Q6_K)]
+            storage.block_bytes[name] = torch.from_numpy(np.array(gguf_file.tensor_bytes(info)))
     if config.architecture == "llama":
-        _unpermute_llama_qk(storage.q4k_bytes, config)
+        _unpermute_llama_qk(storage.block_bytes, config)
     return storage
 
 

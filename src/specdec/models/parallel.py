@@ -26,7 +26,7 @@ N = 2 is close to N = 1, not bitwise equal (docs/tensor-parallel.md gives the me
 
 Splits follow the weight formats' blocks, so a rank holds exactly the same quantized weights as the unsplit
 model: a row-parallel layer's input dimension is cut at multiples of 32 (q8: one fp16 scale per block of 32
-inputs, and the activations are quantized per block of 32) or 256 (q4: Q4_K super-blocks). The intermediate
+inputs, and the activations are quantized per block of 32) or 256 (q4, q6: Q4_K, Q6_K super-blocks). The intermediate
 dimension is cut in such units as evenly as possible; the heads' inputs of o_proj must fall on them, else
 `ShardPlan` raises naming the layer.
 """
@@ -47,11 +47,11 @@ from specdec.models.config import ModelConfig
 from specdec.models.layers import TensorStorage
 
 # inputs per unit of a row-parallel split, by the format the layer runs in
-SPLIT_UNITS = {"q8": 32, "q4": 256, "fp32": 1}
+SPLIT_UNITS = {"q8": 32, "q4": 256, "q6": 256, "fp32": 1}
 # A worker waits for the leader's next command as long as the engine idles; a peer that dies closes its sockets,
 # which fails the wait at once, so the timeout only bounds a peer that hangs.
 GROUP_TIMEOUT = timedelta(days=30)
-Q4K_BLOCK_BYTES = 144  # bytes of one GGUF Q4_K super-block (256 inputs of one row)
+SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # bytes of one GGUF super-block (256 inputs of one row) by type
 
 
 # ---- what each rank holds --------------------------------------------------------------------------------------
@@ -126,21 +126,22 @@ class ShardPlan:
             return tensor[:, columns]
         return tensor
 
-    def shard_q4k_bytes(self, name: str, raw: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a Q4_K tensor's raw bytes [out, in/256 * 144]: whole super-blocks of its rows or
-        columns (the columns fall on super-blocks: `build` checked it)."""
+    def shard_block_bytes(self, name: str, raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+        """This rank's part of a Q4_K or Q6_K tensor's raw bytes [out, in/256 * block_bytes]: whole super-blocks
+        of its rows or columns (the columns fall on super-blocks: `build` checked it)."""
         rows, columns = self.rows_of(name), self.columns_of(name)
         if rows is not None:
             return raw[rows]
         if columns is not None:
             first, last = columns.start // 256, columns.stop // 256
-            return raw[:, first * Q4K_BLOCK_BYTES : last * Q4K_BLOCK_BYTES]
+            return raw[:, first * block_bytes : last * block_bytes]
         return raw
 
     def storage(self, storage: TensorStorage) -> TensorStorage:
-        """The checkpoint's storage record with this rank's part of its Q4_K bytes."""
+        """The checkpoint's storage record with this rank's part of its Q4_K and Q6_K bytes."""
+        shard = lambda name, raw: self.shard_block_bytes(name, raw, SUPER_BLOCK_BYTES[storage.types[name]])  # noqa: E731
         return TensorStorage(types=storage.types,
-                             q4k_bytes=_ShardedMapping(storage.q4k_bytes, self.shard_q4k_bytes))  # type: ignore
+                             block_bytes=_ShardedMapping(storage.block_bytes, shard))  # type: ignore
 
     def tensors(self, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """The checkpoint's tensors as this rank holds them, sliced when read (a lazy GGUF mapping stays lazy)."""
@@ -170,7 +171,7 @@ def _check_split(name: str, shard_inputs: int, in_features: int, world_size: int
         raise ValueError(
             f"tensor_parallel_size {world_size} gives each rank {shard_inputs} of the {in_features} inputs of "
             f"{name}, not a multiple of {unit} ({layer_format} splits at blocks of {unit} inputs); choose another "
-            f"tensor_parallel_size" + (" or weight_format='q8'" if layer_format == "q4" else ""))
+            f"tensor_parallel_size" + (" or weight_format='q8'" if layer_format in ("q4", "q6") else ""))
     shard_format = _layer_format(name, shard_inputs, storage, weight_format)
     if shard_format != layer_format:
         raise ValueError(f"{name}: a shard of {shard_inputs} of its {in_features} inputs would run as {shard_format}, "

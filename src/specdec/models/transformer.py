@@ -59,10 +59,7 @@ def _linear(tensors: dict[str, torch.Tensor], storage: TensorStorage, names: lis
     """One linear of the row-concatenated tensors ``names``, in the format ``storage`` resolves for them."""
     weight = torch.cat([tensors[name].float().to(device) for name in names])  # [out, in]
     linear_format = storage.linear_format(names, weight.shape[1], weight_format)
-    q4k_bytes = None
-    if linear_format == "q4" and all(name in storage.q4k_bytes for name in names):
-        q4k_bytes = torch.cat([storage.q4k_bytes[name] for name in names])  # [out, in/256 * 144] uint8
-    return Linear.build(weight, bias, linear_format, q4k_bytes)
+    return Linear.build(weight, bias, linear_format, storage.lossless_bytes(names, linear_format))
 
 
 def _build_layer(config: ModelConfig, tensors: dict[str, torch.Tensor], storage: TensorStorage, index: int,
@@ -93,7 +90,8 @@ class Transformer:
                  source: str = "", storage: TensorStorage | None = None,
                  parallel: TensorParallel | None = None) -> None:
         """weight_format: auto, q4, q4-all, q8 or fp32 (models/layers.py: WEIGHT_FORMATS); storage: how the file
-        stored the tensors (its Q4_K bytes load losslessly as q4; none: every tensor counts as fp32, so auto means q8).
+        stored the tensors (its Q4_K and Q6_K bytes load losslessly as q4 and q6; none: every tensor counts as fp32, so
+        auto means q8).
         source: the catalogue name or path the weights came from ("" for models built in memory); it keys
         the measured cost profile of this model (engine/draft_length/).
         parallel: this process's rank in a tensor-parallel group (None: the whole model in this process); the rank
