@@ -1,4 +1,4 @@
-"""Micro-benchmark of the q4 linear against the q8 linear, per kernel path, on model shapes.
+"""Micro-benchmark of the q4 and q6 linears against the q8 linear, per kernel path, on model shapes.
 
     python -m specdec.bench.q4_bench [--threads 2] [--ms 1,2,4,8,16] [--isas avx2,avx512] [--hot]
 
@@ -6,7 +6,8 @@ Per shape (in -> out), kernel path and format: the median wall time of one call 
 and the weight bytes per weight. The q4 and q8 calls of one path run interleaved in the same rounds (so that the
 machine's drift affects both alike); by default every call reads its weight from DRAM (copies cycled past the L3),
 as in a decode step. A shape whose in_features is no multiple of 256 runs q4 padded with zero columns (its bits
-column counts the padding).
+column counts the padding); q6 (which only loads a file's Q6_K blocks) runs on random blocks where in_features is a
+multiple of 256.
 Also: the RMS error of quantize_q4's scale search against a plain min/max grid.
 """
 
@@ -18,13 +19,14 @@ import torch
 
 from specdec.bench.kernel_bench import _interleaved_median_times, _rotating
 from specdec.bench.provenance import cpu_name
-from specdec.kernels import ops, q4
+from specdec.kernels import ops, q4, q6
 
 # (model, in_features, out_features)
 SHAPES = [
     ("Qwen2.5-Coder-1.5B", 1536, 8960),
     ("Qwen2.5-Coder-1.5B", 8960, 1536),
     ("Qwen2.5-Coder-1.5B", 1536, 1536),
+    ("Qwen2.5-Coder-1.5B", 1536, 151936),  # the output layer (Q6_K in the file)
     ("Qwen2.5-Coder-0.5B", 896, 9728),
     ("Qwen2.5-Coder-0.5B", 4864, 896),
     ("Gemma-3-270M", 640, 2048),
@@ -32,10 +34,22 @@ SHAPES = [
 ]
 
 
+def _random_q6(out_features: int, in_features: int, generator: torch.Generator) -> q6.Q6Weight:
+    """Random Q6_K-like blocks (the kernel's time does not depend on the values)."""
+    super_blocks = in_features // q6.SUPER_BLOCK
+    return q6.Q6Weight.from_blocks(q6.Q6Blocks(
+        torch.randint(0, 64, (out_features, in_features), generator=generator, dtype=torch.uint8),
+        torch.randint(-128, 128, (out_features, 16 * super_blocks), generator=generator, dtype=torch.int8),
+        (torch.rand(out_features, super_blocks, generator=generator) * 1e-3).to(torch.float16)))
+
+
 def _formats(weight: torch.Tensor) -> dict:
     """format name -> (packed weight, linear function)."""
     q8 = ops.quantize_weight(weight, "vnni")
-    return {"q8": (q8, ops.q8_linear), "q4": (q4.quantize_q4(weight, search_steps=0), q4.q4_linear)}
+    formats = {"q8": (q8, ops.q8_linear), "q4": (q4.quantize_q4(weight, search_steps=0), q4.q4_linear)}
+    if q6.q6_supports(weight.shape[1]):
+        formats["q6"] = (_random_q6(*weight.shape, torch.Generator().manual_seed(2)), q6.q6_linear)
+    return formats
 
 
 def bench_shape(model: str, in_features: int, out_features: int, isas, ms, cold: bool) -> list[str]:
@@ -55,8 +69,8 @@ def bench_shape(model: str, in_features: int, out_features: int, isas, ms, cold:
             ratio = times[(name, 8)] / times[(name, ms[0])] if 8 in ms else float("nan")
             bits = 8.0 * packed.nbytes / (in_features * out_features)
             speedup = ""
-            if name == "q4":
-                speedup = " ".join(f"{times[('q8', m)] / times[('q4', m)]:5.2f}x" for m in ms)
+            if name != "q8":
+                speedup = " ".join(f"{times[('q8', m)] / times[(name, m)]:5.2f}x" for m in ms)
             lines.append(f"{model:<19} {in_features:>5}->{out_features:<5} {isa:>6} {name:>3} {bits:5.2f} "
                          + " ".join(f"{t * 1e3:8.3f}" for t in per_m) + f" {ratio:6.2f}  {speedup}")
     return lines
@@ -91,7 +105,7 @@ def main(argv=None) -> None:
     mode = "hot (one weight copy)" if args.hot else "cold (weights from DRAM)"
     print(f"CPU: {cpu_name()}; threads {args.threads}; {mode}; median ms per call")
     header = (f"{'model':<19} {'in->out':>11} {'path':>6} {'fmt':>3} {'bits':>5} "
-              + " ".join(f"{'M=' + str(m):>8}" for m in ms) + f" {'T8/T1':>6}  q8/q4 time per M")
+              + " ".join(f"{'M=' + str(m):>8}" for m in ms) + f" {'T8/T1':>6}  q8 time / this format's per M")
     print(header)
     print("-" * len(header))
     for model, in_features, out_features in SHAPES:
