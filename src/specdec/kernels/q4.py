@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.kernels import ops
+from specdec.kernels.blocks import block_linear, dense_linear, tile_rows, untile_rows
 
 __all__ = [
     "Q4ShapeError",
@@ -58,8 +59,6 @@ SUB_BLOCK = 32  # inputs per sub-block (one scale and one min)
 SUB_BLOCKS = SUPER_BLOCK // SUB_BLOCK
 Q4K_BLOCK_BYTES = 144  # one GGUF Q4_K super-block: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 of quants
 SCALE_BYTES = 20  # ours per row and super-block: 8 scales, 8 mins, fp16 d, fp16 dmin
-ROW_TILE = 4  # weight rows per tile of ``quants``
-CHUNK = 64  # bytes of a chunk (one 512-bit vector)
 QUANT_MAX = 15
 SCALE_MAX = 63  # 6-bit scales and mins
 
@@ -126,29 +125,6 @@ def _nibble_columns(in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
         low[span] = (block_start + j * 4 * lanes_per_block + within).reshape(-1)
         high[span] = (block_start + (j + chunks) * 4 * lanes_per_block + within).reshape(-1)
     return low, high
-
-
-def _tile(rows: torch.Tensor) -> torch.Tensor:
-    """Per-row bytes [out, C] (C a multiple of 64) -> tiles of 4 rows, chunk-interleaved; the last out % 4 plain."""
-    out, width = rows.shape
-    full = out // ROW_TILE * ROW_TILE
-    tiled = torch.empty_like(rows)
-    tiled[:full] = (
-        rows[:full].view(full // ROW_TILE, ROW_TILE, width // CHUNK, CHUNK).transpose(1, 2).reshape(full, width)
-    )
-    tiled[full:] = rows[full:]
-    return tiled
-
-
-def _untile(tiled: torch.Tensor) -> torch.Tensor:
-    out, width = tiled.shape
-    full = out // ROW_TILE * ROW_TILE
-    rows = torch.empty_like(tiled)
-    rows[:full] = (
-        tiled[:full].view(full // ROW_TILE, width // CHUNK, ROW_TILE, CHUNK).transpose(1, 2).reshape(full, width)
-    )
-    rows[full:] = tiled[full:]
-    return rows
 
 
 def _pack_scales(blocks: Q4Blocks) -> torch.Tensor:
@@ -239,11 +215,11 @@ class Q4Weight:
         low, high = _nibble_columns(padded)
         quants = blocks.quants.to(torch.uint8)
         packed = quants.index_select(1, low) | (quants.index_select(1, high) << 4)  # [out, in/2]
-        return cls(_tile(packed).contiguous(), _pack_scales(blocks), in_features)
+        return cls(tile_rows(packed).contiguous(), _pack_scales(blocks), in_features)
 
     def blocks(self) -> Q4Blocks:
         """The weight in natural order, padding included (exactly what :meth:`from_blocks` packed)."""
-        packed = _untile(self.quants)
+        packed = untile_rows(self.quants)
         padded = self.padded_in_features
         low, high = _nibble_columns(padded)
         quants = torch.empty(self.out_features, padded, dtype=torch.uint8)
@@ -270,14 +246,6 @@ class Q4Weight:
         ids = torch.as_tensor(row_ids, dtype=torch.long).reshape(-1)
         blocks = self.blocks()
         return Q4Weight.from_blocks(Q4Blocks(*(part.index_select(0, ids) for part in blocks)), self.in_features)
-
-    def _dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (dtype, device)
-        dense = self._cache.get(key)
-        if dense is None:
-            dense = self.dequantize().to(device=device, dtype=dtype)
-            self._cache[key] = dense
-        return dense
 
 
 # --------------------------------------------------------------------------- sources
@@ -424,20 +392,10 @@ def quantize_q4(weight: torch.Tensor, search_steps: int = 20) -> Q4Weight:
 def q4_linear(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out] fp32. Bitwise row invariant on the CPU kernels; the torch fallback (CUDA, no
     extension) is close but not row invariant, and does not quantize the activations."""
-    if x.shape[-1] != weight.in_features:
-        raise ValueError(f"q4_linear: x has {x.shape[-1]} features, weight expects {weight.in_features}")
-    if x.is_cpu:
-        ext = ops._load()
-        if ext is not None:
-            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            y = ext.q4_linear(rows, weight.quants, weight.scales, bias, weight.in_features)
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
-    return q4_linear_torch(x, weight, bias)
+    return block_linear("q4_linear", x, weight, bias, lambda ext, rows: ext.q4_linear(
+        rows, weight.quants, weight.scales, bias, weight.in_features))
 
 
 def q4_linear_torch(x: torch.Tensor, weight: Q4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The fallback: F.linear on the dequantized weight (cached per dtype and device)."""
-    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    dense = weight._dense(dtype, x.device)
-    y = F.linear(x.to(dtype), dense, None if bias is None else bias.to(device=x.device, dtype=dtype))
-    return y.to(torch.float32)
+    return dense_linear(x, weight, bias)

@@ -33,10 +33,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from specdec.kernels import ops
-from specdec.kernels.q4 import _tile, _untile
+from specdec.kernels.blocks import block_linear, dense_linear, tile_rows, untile_rows
 
 __all__ = ["Q6ShapeError", "Q6Blocks", "Q6Weight", "q6_from_q6k_blocks", "q6_linear", "q6_supports"]
 
@@ -141,13 +139,13 @@ class Q6Weight:
             raise ValueError(f"quants must lie in 0..{QUANT_MAX}")
         scales = torch.cat([blocks.sub_scales.contiguous().view(torch.uint8).view(out, super_blocks, SUB_BLOCKS),
                             blocks.d.contiguous().view(torch.uint8).view(out, super_blocks, 2)], dim=2)
-        return cls(_tile(_pack_quants(quants)).contiguous(), scales.reshape(out, -1).contiguous())
+        return cls(tile_rows(_pack_quants(quants)).contiguous(), scales.reshape(out, -1).contiguous())
 
     def blocks(self) -> Q6Blocks:
         """The weight in natural order (exactly what :meth:`from_blocks` packed)."""
         out = self.out_features
         scales = self.scales.view(out, -1, SCALE_BYTES)
-        return Q6Blocks(_unpack_quants(_untile(self.quants)),
+        return Q6Blocks(_unpack_quants(untile_rows(self.quants)),
                         scales[:, :, :SUB_BLOCKS].contiguous().view(torch.int8).reshape(out, -1),
                         scales[:, :, SUB_BLOCKS:].contiguous().view(torch.float16).reshape(out, -1))
 
@@ -165,14 +163,6 @@ class Q6Weight:
         full weight's (each output element is computed alone)."""
         ids = torch.as_tensor(row_ids, dtype=torch.long).reshape(-1)
         return Q6Weight.from_blocks(Q6Blocks(*(part.index_select(0, ids) for part in self.blocks())))
-
-    def _dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (dtype, device)
-        dense = self._cache.get(key)
-        if dense is None:
-            dense = self.dequantize().to(device=device, dtype=dtype)
-            self._cache[key] = dense
-        return dense
 
 
 def q6_from_q6k_blocks(raw, out_features: int, in_features: int) -> Q6Weight:
@@ -201,20 +191,10 @@ def q6_from_q6k_blocks(raw, out_features: int, in_features: int) -> Q6Weight:
 def q6_linear(x: torch.Tensor, weight: Q6Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out] fp32. Bitwise row invariant on the CPU kernels; the torch fallback (CUDA, no
     extension) is close but not row invariant, and does not quantize the activations."""
-    if x.shape[-1] != weight.in_features:
-        raise ValueError(f"q6_linear: x has {x.shape[-1]} features, weight expects {weight.in_features}")
-    if x.is_cpu:
-        ext = ops._load()
-        if ext is not None:
-            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            y = ext.q6_linear(rows, weight.quants, weight.scales, bias)
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
-    return q6_linear_torch(x, weight, bias)
+    return block_linear("q6_linear", x, weight, bias, lambda ext, rows: ext.q6_linear(
+        rows, weight.quants, weight.scales, bias))
 
 
 def q6_linear_torch(x: torch.Tensor, weight: Q6Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The fallback: F.linear on the dequantized weight (cached per dtype and device)."""
-    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    dense = weight._dense(dtype, x.device)
-    y = F.linear(x.to(dtype), dense, None if bias is None else bias.to(device=x.device, dtype=dtype))
-    return y.to(torch.float32)
+    return dense_linear(x, weight, bias)
