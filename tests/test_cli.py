@@ -1,4 +1,6 @@
 """`specdec generate` end to end on a tiny checkpoint directory: the options reach the engine."""
+import re
+
 import pytest
 import torch
 
@@ -29,7 +31,11 @@ def test_generate_builds_the_kv_cache_the_options_ask_for(tiny_model_dir, cache_
             "--draft-policy", "fixed", "abcabcabc"]  # fixed: no cost profile of the tiny model measured and cached
     assert main(argv) == 0
     assert cache_dtypes == [expected]
-    assert "tok/s" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert re.search(r"\[plain: 6 tokens, [\d.]+ tok/s; first token after [\d.]+ s, then [\d.]+ tok/s\]", err), err
+    assert re.search(r"\[speed-up over plain decoding: [\d.]+x in the decode phase \([\d.]+ -> [\d.]+ tok/s after "
+                     r"the first token\), [\d.]+x end to end with the \d+-token prompt's prefill \([\d.]+ -> [\d.]+ "
+                     r"tok/s\); output identical to plain: yes\]", err), err
 
 
 def test_generate_names_the_draft_models_own_weight_format(tiny_model_dir, capsys):

@@ -67,3 +67,23 @@ def test_generate_json_schema_keyword_validates(llm):
     (output,) = llm.generate([PROMPT], max_tokens=40, json_schema=SCHEMA)
     assert output.finish_reason == "stop", output.text
     jsonschema.validate(json.loads(output.text), SCHEMA)
+
+
+def test_each_output_times_its_first_token_and_its_decode_phase(llm):
+    import time
+
+    started = time.perf_counter()
+    outputs = llm.generate([PROMPT, PROMPT[:4]], max_tokens=10, ignore_eos=True)
+    wall_s = time.perf_counter() - started
+    for output in outputs:
+        assert len(output.token_ids) == 10
+        assert 0 < output.first_token_s < output.elapsed_s <= wall_s
+        decode_s = output.elapsed_s - output.first_token_s
+        assert output.decode_tokens_per_s == pytest.approx(9 / decode_s)
+        assert output.tokens_per_s == pytest.approx(10 / output.elapsed_s)
+
+
+def test_an_output_without_tokens_has_no_decode_phase(llm):
+    (output,) = llm.generate([PROMPT], max_tokens=1)
+    assert len(output.token_ids) == 1 and output.decode_tokens_per_s == 0.0
+    assert output.first_token_s == output.elapsed_s

@@ -155,7 +155,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         plain = llm.generate(
             args.prompt, params, chat=args.chat, speculative=False, on_output=_stream_printer(llm, False)
         )[0]
-        print(f"\n[plain: {len(plain.token_ids)} tokens, {plain.tokens_per_s:.1f} tok/s]", file=sys.stderr)
+        print(f"\n[plain: {len(plain.token_ids)} tokens, {plain.tokens_per_s:.1f} tok/s; first token after "
+              f"{plain.first_token_s:.2f} s, then {plain.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
         print(f"--- speculative decoding ({llm.spec_config.method}) ---", file=sys.stderr)
     result = llm.generate(args.prompt, params, chat=args.chat, on_output=_stream_printer(llm, args.show_drafts))[0]
     print(file=sys.stderr)
@@ -164,7 +165,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _print_summary(result, plain, speculative: bool) -> None:
-    print(f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s: {result.tokens_per_s:.1f} tok/s, "
+    print(f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s: {result.tokens_per_s:.1f} tok/s; first token "
+          f"after {result.first_token_s:.2f} s, then {result.decode_tokens_per_s:.1f} tok/s; "
           f"finish: {result.finish_reason}]", file=sys.stderr)
     if speculative:
         m = result.metrics
@@ -178,11 +180,13 @@ def _print_summary(result, plain, speculative: bool) -> None:
         )
     if plain is not None:
         identical = plain.token_ids == result.token_ids
-        speedup = result.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else float("nan")
+        ratio = lambda ours, reference: ours / reference if reference else float("nan")  # noqa: E731
         print(
-            f"[speed-up over plain decoding: {speedup:.2f}x "
-            f"({plain.tokens_per_s:.1f} -> {result.tokens_per_s:.1f} tok/s); "
-            f"output identical to plain: {'yes' if identical else 'NO'}]",
+            f"[speed-up over plain decoding: {ratio(result.decode_tokens_per_s, plain.decode_tokens_per_s):.2f}x "
+            f"in the decode phase ({plain.decode_tokens_per_s:.1f} -> {result.decode_tokens_per_s:.1f} tok/s after "
+            f"the first token), {ratio(result.tokens_per_s, plain.tokens_per_s):.2f}x end to end with the "
+            f"{len(result.prompt_token_ids)}-token prompt's prefill ({plain.tokens_per_s:.1f} -> "
+            f"{result.tokens_per_s:.1f} tok/s); output identical to plain: {'yes' if identical else 'NO'}]",
             file=sys.stderr,
         )
 

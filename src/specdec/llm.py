@@ -35,6 +35,9 @@ class RequestOutput:
     finish_reason: str
     metrics: SpecDecodeMetrics
     elapsed_s: float  # wall time from the first step to this request's end
+    # wall time from the first step to this request's first new token (its prompt's prefill and the first token;
+    # elapsed_s when it produced none)
+    first_token_s: float = 0.0
     # constrained requests (verify/grammar.py; 0 otherwise): time computing the grammar's allowed-token masks and how
     # many (one per verify row and per draft end check), and all of the grammar engine's time after the grammar
     # compiled (masks, emitted tokens consumed, drafts validated, forced tokens)
@@ -44,7 +47,15 @@ class RequestOutput:
 
     @property
     def tokens_per_s(self) -> float:
+        """New tokens per second of wall time, the prompt's prefill included."""
         return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """The decode phase alone: the tokens after the first per second after the first (what llama.cpp's "eval"
+        and the bench's decode_tokens_per_s measure); 0 with fewer than two tokens."""
+        decode_s = self.elapsed_s - self.first_token_s
+        return (len(self.token_ids) - 1) / decode_s if len(self.token_ids) > 1 and decode_s > 0 else 0.0
 
 
 class LLM:
@@ -150,13 +161,21 @@ class LLM:
             raise
         start = time.perf_counter()
         ended_at: dict[str, float] = {}
+        first_token_at: dict[str, float] = {}
         while self.engine.has_unfinished():
             for output in self.engine.step():
+                now = time.perf_counter()
+                if output.new_token_ids and output.request_id not in first_token_at:
+                    first_token_at[output.request_id] = now
+                if output.finished:
+                    ended_at[output.request_id] = now
                 if on_output is not None:
                     on_output(output)
-                if output.finished:
-                    ended_at[output.request_id] = time.perf_counter()
-        return [_request_output(seq, ended_at.get(seq.request_id, time.perf_counter()) - start) for seq in seqs]
+        outputs = []
+        for seq in seqs:
+            ended = ended_at.get(seq.request_id, time.perf_counter())
+            outputs.append(_request_output(seq, ended - start, first_token_at.get(seq.request_id, ended) - start))
+        return outputs
 
 
     def _checked_request_ids(self, request_ids: Sequence[str] | None, num_prompts: int) -> list[str | None]:
@@ -207,7 +226,7 @@ def sampling_params_from(params: SamplingParams | None, keywords: dict[str, Any]
     return SamplingParams(**options)
 
 
-def _request_output(seq: EngineSequence, elapsed_s: float) -> RequestOutput:
+def _request_output(seq: EngineSequence, elapsed_s: float, first_token_s: float) -> RequestOutput:
     grammar = seq.grammar
     return RequestOutput(
         request_id=seq.request_id,
@@ -218,6 +237,7 @@ def _request_output(seq: EngineSequence, elapsed_s: float) -> RequestOutput:
         finish_reason=seq.finish_reason or "abort",
         metrics=seq.metrics,
         elapsed_s=elapsed_s,
+        first_token_s=first_token_s,
         grammar_mask_time_s=grammar.mask_time_s if grammar is not None else 0.0,
         grammar_masks=grammar.masks_computed if grammar is not None else 0,
         grammar_time_s=grammar.grammar_time_s if grammar is not None else 0.0,
