@@ -57,6 +57,16 @@ def test_linear_format_rules():
     for names in (["a", "b"], ["a", "c"], ["c"], ["d"], ["e"], ["f"]):  # q4-all: every storage, any width
         assert storage.linear_format(names, 640, "q4-all") == "q4"
     assert storage.linear_format(["a"], 512, "q8") == "q8"
+    # parts: a linear whose names the file stores in different lossless block types keeps each run lossless
+    assert storage.linear_parts(["a", "b", "c"], 512, "auto") == [(["a", "b"], "q4"), (["c"], "q6")]
+    assert storage.linear_parts(["c", "a", "b", "g"], 512, "q4") == [(["c"], "q6"), (["a", "b"], "q4"), (["g"], "q6")]
+    assert storage.linear_parts(["a", "b"], 512, "auto") == [(["a", "b"], "q4")]  # one format: one part
+    assert storage.linear_parts(["a", "c"], 640, "auto") == [(["a", "c"], "q8")]  # no lossless width
+    assert storage.linear_parts(["a", "d"], 512, "auto") == [(["a", "d"], "q8")]  # d (F16) has no lossless part
+    assert storage.linear_parts(["a", "f"], 512, "q4") == [(["a", "f"], "q8")]  # nor f (Q8_0)
+    for weight_format in ("q8", "fp32"):
+        assert storage.linear_parts(["a", "c"], 512, weight_format) == [(["a", "c"], weight_format)]
+    assert storage.linear_parts(["a", "c"], 512, "q4-all") == [(["a", "c"], "q4")]  # all of it requantized
     assert storage.linear_format(["a"], 512, "fp32") == "fp32"
     with pytest.raises(ValueError, match="unknown weight format 'q3'; choose one of auto, q4, q4-all, q8, fp32"):
         check_weight_format("q3")

@@ -27,3 +27,24 @@ def test_gemma_block_layers_are_q4_and_q6_and_lossless():
         assert layer.qkv_proj.format == "q8"  # Q5_0 / Q8_0 in this file, and 640 inputs
     assert counts == {"Q4_K": 27, "Q6_K": 9}  # 18 o_proj + 9 down_proj as Q4_K, 9 down_proj as Q6_K
     assert set(model.linear_bytes()) == {"q4", "q6", "q8"}
+
+
+def test_qwen_1_5b_mixed_qkv_runs_as_lossless_q4_and_q6_parts():
+    """Qwen2.5-Coder-1.5B's Q4_K_M stores q and k as Q4_K and v as Q6_K in half of its layers: those run as a q4 part
+    and a q6 part (ConcatLinear) with the file's values, the others as one q4 linear."""
+    real_model_path("qwen2.5-coder-1.5b-instruct")
+    checkpoint = load_checkpoint(model_path("qwen2.5-coder-1.5b-instruct"), keep_block_bytes=True)
+    model = Transformer(checkpoint.config, checkpoint.tensors, "auto", storage=checkpoint.storage)
+    mixed = 0
+    for index, layer in enumerate(model.layers):
+        names = [f"layers.{index}.{leaf}" for leaf in ("q_proj", "k_proj", "v_proj")]
+        stored = [checkpoint.storage.types[name] for name in names]
+        if stored == ["Q4_K", "Q4_K", "Q6_K"]:
+            mixed += 1
+            assert layer.qkv_proj.format == "q4+q6", index
+            q4_part, q6_part = layer.qkv_proj.parts
+            assert torch.equal(q4_part.q4.dequantize(), torch.cat([checkpoint.tensors[name] for name in names[:2]]))
+            assert torch.equal(q6_part.q6.dequantize(), checkpoint.tensors[names[2]])
+        else:
+            assert stored == ["Q4_K"] * 3 and layer.qkv_proj.format == "q4", (index, stored)
+    assert mixed == 14

@@ -62,6 +62,25 @@ class TensorStorage:
             return "q4"
         return "q8"
 
+    def linear_parts(self, names: list[str], in_features: int, weight_format: str) -> list[tuple[list[str], str]]:
+        """The parts of a linear made of the row-concatenated tensors ``names``, each (its names, its format): one
+        part in linear_format's format, or, where that is q8 only because the file stores the names in different
+        block types it loads losslessly (Qwen2.5's Q4_K_M: q and k as Q4_K, v as Q6_K), one part per run of
+        names of one such type, each lossless (q4, q6) instead of the whole requantized to 8 bits."""
+        whole = self.linear_format(names, in_features, weight_format)
+        if whole != "q8" or weight_format not in ("auto", "q4") or len(names) < 2:
+            return [(list(names), whole)]
+        formats = [self.linear_format([name], in_features, weight_format) for name in names]
+        if not all(self.lossless_bytes([name], fmt) is not None for name, fmt in zip(names, formats)):
+            return [(list(names), whole)]
+        parts: list[tuple[list[str], str]] = []
+        for name, fmt in zip(names, formats):
+            if parts and parts[-1][1] == fmt:
+                parts[-1][0].append(name)
+            else:
+                parts.append(([name], fmt))
+        return parts
+
     def lossless_bytes(self, names: list[str], linear_format: str) -> torch.Tensor | None:
         """The file's blocks of the row-concatenated tensors ``names`` ([out, in/256 * 144 or 210] uint8) when
         ``linear_format`` loads them losslessly (q4 from Q4_K, q6 from Q6_K bytes), else None."""
@@ -146,6 +165,12 @@ class Linear:
         return "q8" if self.quantized is not None else "fp32"
 
     @property
+    def in_features(self) -> int:
+        if self.blocks is not None:
+            return self.blocks.in_features
+        return self.dense.shape[1] if self.dense is not None else self.quantized.in_features
+
+    @property
     def out_features(self) -> int:
         if self.blocks is not None:
             return self.blocks.out_features
@@ -182,9 +207,62 @@ class Linear:
             return embedding(token_ids, self.quantized)
         return self.dense[token_ids]
 
+    @property
+    def parts(self) -> tuple["Linear", ...]:
+        """The single-format linears this layer runs (itself; several for a ConcatLinear)."""
+        return (self,)
+
     def nbytes(self) -> int:
         if self.blocks is not None:
             return self.blocks.nbytes
         if self.dense is not None:
             return self.dense.numel() * self.dense.element_size()
         return self.quantized.nbytes
+
+
+@dataclass(frozen=True)
+class ConcatLinear:
+    """Row-concatenated linears, each in its own format: [rows, in] -> [rows, the parts' out summed] fp32, the
+    parts' outputs side by side. A file that stores the parts of one fused layer in different block types keeps
+    each part lossless this way (TensorStorage.linear_parts). Each part's kernel is row invariant, so the whole is."""
+
+    parts: tuple[Linear, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2 or len({part.in_features for part in self.parts}) != 1:
+            raise ValueError("a ConcatLinear joins two or more linears of the same input width")
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(inputs) for part in self.parts], dim=-1)
+
+    @property
+    def format(self) -> str:
+        return "+".join(part.format for part in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    def rows(self, row_ids: torch.Tensor) -> "Linear | ConcatLinear":
+        """The layer restricted to some output rows (increasing), bit for bit the same weights: each part's rows
+        among them."""
+        row_ids = row_ids.to(dtype=torch.long)
+        if row_ids.numel() == 0 or bool((row_ids[1:] <= row_ids[:-1]).any()):
+            raise ValueError("rows of a ConcatLinear are taken in increasing order, at least one")
+        if int(row_ids[0]) < 0 or int(row_ids[-1]) >= self.out_features:
+            raise ValueError(f"row ids must lie in [0, {self.out_features}), got {int(row_ids[0])}..{int(row_ids[-1])}")
+        picked, start = [], 0
+        for part in self.parts:
+            end = start + part.out_features
+            local = row_ids[(row_ids >= start) & (row_ids < end)] - start
+            if local.numel():
+                picked.append(part.rows(local))
+            start = end
+        return picked[0] if len(picked) == 1 else ConcatLinear(tuple(picked))
+
+    def nbytes(self) -> int:
+        return sum(part.nbytes() for part in self.parts)

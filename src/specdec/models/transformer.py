@@ -16,7 +16,7 @@ import torch
 from specdec.models.batch import ForwardBatch
 from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
 from specdec.models.config import ModelConfig
-from specdec.models.layers import Linear, RotaryTable, TensorStorage, check_weight_format
+from specdec.models.layers import ConcatLinear, Linear, RotaryTable, TensorStorage, check_weight_format
 from specdec.models.parallel import ShardPlan, TensorParallel, TrunkCommand
 
 if TYPE_CHECKING:  # the cache is the layer above: the model only writes and reads the one it is given
@@ -38,11 +38,11 @@ class ForwardOutput:
 @dataclass(frozen=True)
 class DecoderLayer:
     attn_norm: torch.Tensor  # [hidden]
-    qkv_proj: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
-    o_proj: Linear  # heads * head_dim -> hidden
+    qkv_proj: Linear | ConcatLinear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o_proj: Linear | ConcatLinear  # heads * head_dim -> hidden
     ffn_norm: torch.Tensor  # [hidden]
-    gate_up_proj: Linear  # hidden -> 2 * intermediate
-    down_proj: Linear  # intermediate -> hidden
+    gate_up_proj: Linear | ConcatLinear  # hidden -> 2 * intermediate
+    down_proj: Linear | ConcatLinear  # intermediate -> hidden
     q_norm: torch.Tensor | None  # [head_dim]
     k_norm: torch.Tensor | None  # [head_dim]
     post_attn_norm: torch.Tensor | None  # [hidden]
@@ -55,11 +55,17 @@ def _optional(tensors: dict[str, torch.Tensor], name: str, device: torch.device)
 
 
 def _linear(tensors: dict[str, torch.Tensor], storage: TensorStorage, names: list[str], bias: torch.Tensor | None,
-            weight_format: str, device) -> Linear:
-    """One linear of the row-concatenated tensors ``names``, in the format ``storage`` resolves for them."""
-    weight = torch.cat([tensors[name].float().to(device) for name in names])  # [out, in]
-    linear_format = storage.linear_format(names, weight.shape[1], weight_format)
-    return Linear.build(weight, bias, linear_format, storage.lossless_bytes(names, linear_format))
+            weight_format: str, device) -> Linear | ConcatLinear:
+    """One linear of the row-concatenated tensors ``names``, in the format ``storage`` resolves for them, or one
+    linear per part where the file stores the names in different lossless block types (TensorStorage.linear_parts)."""
+    weights = [tensors[name].float().to(device) for name in names]  # each [out_i, in]
+    parts, row = [], 0
+    for part_names, linear_format in storage.linear_parts(names, weights[0].shape[1], weight_format):
+        weight = torch.cat([weights[names.index(name)] for name in part_names])  # [part out, in]
+        part_bias = None if bias is None else bias[row : row + weight.shape[0]]
+        parts.append(Linear.build(weight, part_bias, linear_format, storage.lossless_bytes(part_names, linear_format)))
+        row += weight.shape[0]
+    return parts[0] if len(parts) == 1 else ConcatLinear(tuple(parts))
 
 
 def _build_layer(config: ModelConfig, tensors: dict[str, torch.Tensor], storage: TensorStorage, index: int,
@@ -171,7 +177,8 @@ class Transformer:
         separate_head = self.lm_head is not None and self.lm_head is not self.embed_tokens
         linears = [self.embed_tokens] + ([self.lm_head] if separate_head else [])
         for layer in self.layers:
-            linears += [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                linears += linear.parts
         return linears
 
     def linear_bytes(self) -> dict[str, int]:
