@@ -48,20 +48,10 @@ class BlockWeight(Protocol):
     def dequantize(self) -> torch.Tensor: ...
 
 
-def dense_weight(weight: BlockWeight, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The dequantized weight [out, in] in ``dtype`` on ``device``, cached on the weight per dtype and device."""
-    key = (dtype, device)
-    dense = weight._cache.get(key)
-    if dense is None:
-        dense = weight.dequantize().to(device=device, dtype=dtype)
-        weight._cache[key] = dense
-    return dense
-
-
 def dense_linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch fallback of a block format's linear: F.linear on the dequantized weight, fp32 out."""
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    dense = dense_weight(weight, dtype, x.device)
+    dense = ops.dense_weight(weight, dtype, x.device)
     y = F.linear(x.to(dtype), dense, None if bias is None else bias.to(device=x.device, dtype=dtype))
     return y.to(torch.float32)
 

@@ -397,13 +397,16 @@ class QuantizedWeight:
         """[out_features, in_features] fp32 (exactly q * scale)."""
         return self.int8().to(torch.float32) * self._scales()
 
-    def _dense(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (dtype, device)
-        w = self._cache.get(key)
-        if w is None:
-            w = self.dequantize().to(device=device, dtype=dtype)
-            self._cache[key] = w
-        return w
+
+def dense_weight(weight, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The torch fallbacks' weight: ``weight.dequantize()`` [out, in] in ``dtype`` on ``device``, cached in
+    ``weight._cache`` per dtype and device (any quantized weight: QuantizedWeight, Q4Weight, Q6Weight)."""
+    key = (dtype, device)
+    dense = weight._cache.get(key)
+    if dense is None:
+        dense = weight.dequantize().to(device=device, dtype=dtype)
+        weight._cache[key] = dense
+    return dense
 
 
 def quantize_weight(weight: torch.Tensor, layout: str | None = None) -> QuantizedWeight:
@@ -467,7 +470,7 @@ def q8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | Non
 
 def _q8_linear_torch(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    w = weight._dense(dtype, x.device)
+    w = dense_weight(weight, dtype, x.device)
     y = F.linear(x.to(dtype), w, None if bias is None else bias.to(device=x.device, dtype=dtype))
     return y.to(torch.float32)
 

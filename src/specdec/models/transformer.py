@@ -58,10 +58,9 @@ def _linear(tensors: dict[str, torch.Tensor], storage: TensorStorage, names: lis
             weight_format: str, device) -> Linear | ConcatLinear:
     """One linear of the row-concatenated tensors ``names``, in the format ``storage`` resolves for them, or one
     linear per part where the file stores the names in different lossless block types (TensorStorage.linear_parts)."""
-    weights = [tensors[name].float().to(device) for name in names]  # each [out_i, in]
     parts, row = [], 0
-    for part_names, linear_format in storage.linear_parts(names, weights[0].shape[1], weight_format):
-        weight = torch.cat([weights[names.index(name)] for name in part_names])  # [part out, in]
+    for part_names, linear_format in storage.linear_parts(names, tensors[names[0]].shape[1], weight_format):
+        weight = torch.cat([tensors[name].float().to(device) for name in part_names])  # [part out, in]
         part_bias = None if bias is None else bias[row : row + weight.shape[0]]
         parts.append(Linear.build(weight, part_bias, linear_format, storage.lossless_bytes(part_names, linear_format)))
         row += weight.shape[0]
