@@ -19,8 +19,10 @@
 //                          again with AVX-VNNI, as linear_avx2.h)
 //   csrc/q6_scalar.h       the 6-bit linear (q6, GGUF Q6_K blocks): its layout, reduction order and scalar path
 //   csrc/q6_avx512.h, q6_avx2.h   ... its vector paths (as q4's)
+//   csrc/q5_scalar.h       the 5-bit linear (q5, GGUF Q5_0 blocks): its layout and scalar path, bitwise the int8 linear
+//   csrc/q5_avx512.h, q5_avx2.h, q5_walk.h   ... its unpacking per vector path, and its walk over the int8 linear's tiles
 //   csrc/block_walk.h      the walk of the q4 and q6 linears over tiles and row blocks, for every vector path
-//   csrc/linear.h, q4_linear.h, q6_linear.h, attention.h, rowwise.h   the entry points
+//   csrc/linear.h, q4_linear.h, q6_linear.h, q5_linear.h, attention.h, rowwise.h   the entry points
 // This file includes them in order (the vector paths inside their own namespace and target) and binds them.
 
 #include <torch/extension.h>
@@ -55,6 +57,7 @@ namespace {
 #include "csrc/scalar.h"
 #include "csrc/q4_scalar.h"
 #include "csrc/q6_scalar.h"
+#include "csrc/q5_scalar.h"
 #include "csrc/q4_quantize.h"
 
 #pragma GCC push_options
@@ -64,6 +67,8 @@ namespace avx2 {
 #include "csrc/vector_kernels.h"
 #include "csrc/linear_avx2.h"
 #include "csrc/linear_walk.h"
+#include "csrc/q5_avx2.h"
+#include "csrc/q5_walk.h"
 #include "csrc/q4_avx2.h"
 #include "csrc/q6_avx2.h"
 #include "csrc/block_walk.h"
@@ -77,6 +82,8 @@ namespace avx2_vnni {
 #include "csrc/simd_avx2.h"
 #include "csrc/linear_avx2.h"
 #include "csrc/linear_walk.h"
+#include "csrc/q5_avx2.h"
+#include "csrc/q5_walk.h"
 #include "csrc/q4_avx2.h"
 #include "csrc/q6_avx2.h"
 #include "csrc/block_walk.h"
@@ -91,6 +98,8 @@ namespace avx512 {
 #include "csrc/vector_kernels.h"
 #include "csrc/linear_avx512.h"
 #include "csrc/linear_walk.h"
+#include "csrc/q5_avx512.h"
+#include "csrc/q5_walk.h"
 #include "csrc/q4_avx512.h"
 #include "csrc/q6_avx512.h"
 #include "csrc/block_walk.h"
@@ -107,6 +116,7 @@ namespace amx {
 #include "csrc/linear.h"
 #include "csrc/q4_linear.h"
 #include "csrc/q6_linear.h"
+#include "csrc/q5_linear.h"
 #include "csrc/attention.h"
 #include "csrc/rowwise.h"
 
@@ -150,6 +160,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "int8 weight x Q8_0 activation linear (row invariant)");
   m.def("q4_linear", &q4_linear, "4-bit weight (Q4_K blocks) x Q8_0 activation linear (row invariant)");
   m.def("q6_linear", &q6_linear, "6-bit weight (Q6_K blocks) x Q8_0 activation linear (row invariant)");
+  m.def("q5_linear", &q5_linear, "5-bit weight (Q5_0 blocks) x Q8_0 activation linear, bitwise q8_linear's");
   m.def("q4_fit_sub_blocks", &q4_fit_sub_blocks, "quantize_q4's scale and min search per sub-block of 32 weights");
   m.def("avx_vnni", &cpu_has_avx_vnni, "whether the avx2 path runs its AVX-VNNI variant (CPU, SPECDEC_AVX_VNNI)");
   m.def("attention", &attention, "range attention (row invariant), optionally followed by extra keys per row",

@@ -128,20 +128,16 @@ inline QuantizeUnit pick_quantize_unit(Isa isa) {
   return quantize_unit_scalar;
 }
 
-torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& wscale,
-                        const c10::optional<torch::Tensor>& bias_in, int64_t in_features) {
-  TORCH_CHECK(x_in.dim() == 2, "q8_linear: x must be 2-D [M, K]");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
-              "q8_linear: qweight must be contiguous uint8 [N, Kp]");
-  const int64_t M = x_in.size(0), K = x_in.size(1), N = qweight.size(0), Kp = qweight.size(1);
-  TORCH_CHECK(K == in_features, "q8_linear: x has ", K, " features, weight expects ", in_features);
-  TORCH_CHECK(Kp % kChunk == 0 && Kp >= K && Kp < K + kChunk, "q8_linear: bad padded width ", Kp);
-  TORCH_CHECK(wscale.scalar_type() == at::kHalf && wscale.is_contiguous() && wscale.dim() == 2 &&
-                  wscale.size(0) == N && wscale.size(1) == Kp / 32,
-              "q8_linear: scale must be contiguous fp16 [N, Kp/32]");
-  const LinearInputs in = linear_inputs(x_in, bias_in, N, "q8_linear");
+// The body the linears on the vnni layout share (q8_linear, and q5_linear over its unpacked tiles): the activations
+// quantized into the layout, then weight rows in tiles of 4 (of tile_bytes as stored), handed out in chunks, each
+// chunk walked for every m-block of ~96 KiB of activations: block(isa, avx2_vnni, xq, corr, xs, L, y, n0, n1, m0, m1)
+// computes weight rows [n0, n1) x activation rows [m0, m1) on the path isa (avx2_vnni: the avx2 path's AVX-VNNI
+// variant).
+template <class Block>
+torch::Tensor vnni_layout_linear(const LinearInputs& in, int64_t N, int64_t Kp, int64_t tile_bytes,
+                                 const Block& block) {
   const torch::Tensor& x = in.x;
-  const torch::Tensor& bias = in.bias;
+  const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 
@@ -159,37 +155,58 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
   parallel_rows(M, M * K, [&](int64_t a, int64_t b) {
     quantize_rows(quantize_unit, xp, K, L, a, b, xq, corr, xs, isa == Isa::avx2 && !avx2_vnni);
   });
-
-  const uint8_t* W = qweight.data_ptr<uint8_t>();
-  const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
 
   // Tiling: weight rows in tiles of 4; each chunk of tiles is walked for every m-block of ~96 KiB of activations.
   constexpr int64_t NR = 4;
   const int64_t ntiles = (N + NR - 1) / NR;
   const int64_t mb = std::max<int64_t>(3, ((96 * 1024) / Kp) / 3 * 3);
-  const int64_t chunk = chunk_tiles(ntiles, NR * Kp, M, M <= mb);
+  const int64_t chunk = chunk_tiles(ntiles, tile_bytes, M, M <= mb);
   const int64_t nchunks = (ntiles + chunk - 1) / chunk;
   auto run_chunk = [&](int64_t c) {
     const int64_t t0 = c * chunk, t1 = std::min(ntiles, t0 + chunk);
     const int64_t n0 = t0 * NR, n1 = std::min(N, t1 * NR);
-    for (int64_t m0 = 0; m0 < M; m0 += mb) {
-      const int64_t m1 = std::min(M, m0 + mb);
-      if (at_least(isa, Isa::avx512))
-        avx512::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
-      else if (avx2_vnni)
-        avx2_vnni::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
-      else if (isa == Isa::avx2)
-        avx2::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
-      else
-        linear_block_scalar(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
-    }
+    for (int64_t m0 = 0; m0 < M; m0 += mb)
+      block(isa, avx2_vnni, xq, corr, xs, L, yp, n0, n1, m0, std::min(M, m0 + mb));
   };
   run_chunk_workers(nchunks, [&](std::atomic<int64_t>& next) {
     for (int64_t c = next.fetch_add(1); c < nchunks; c = next.fetch_add(1)) run_chunk(c);
   });
   return y;
+}
+
+// Checks of the fp16 block scales of a vnni-layout weight: [N, Kp/32], contiguous.
+void check_block_scales(const torch::Tensor& wscale, int64_t N, int64_t Kp, const char* name) {
+  TORCH_CHECK(wscale.scalar_type() == at::kHalf && wscale.is_contiguous() && wscale.dim() == 2 &&
+                  wscale.size(0) == N && wscale.size(1) == Kp / 32,
+              name, ": scale must be contiguous fp16 [N, Kp/32]");
+}
+
+torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight, const torch::Tensor& wscale,
+                        const c10::optional<torch::Tensor>& bias_in, int64_t in_features) {
+  TORCH_CHECK(x_in.dim() == 2, "q8_linear: x must be 2-D [M, K]");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "q8_linear: qweight must be contiguous uint8 [N, Kp]");
+  const int64_t K = x_in.size(1), N = qweight.size(0), Kp = qweight.size(1);
+  TORCH_CHECK(K == in_features, "q8_linear: x has ", K, " features, weight expects ", in_features);
+  TORCH_CHECK(Kp % kChunk == 0 && Kp >= K && Kp < K + kChunk, "q8_linear: bad padded width ", Kp);
+  check_block_scales(wscale, N, Kp, "q8_linear");
+  const LinearInputs in = linear_inputs(x_in, bias_in, N, "q8_linear");
+  const uint8_t* W = qweight.data_ptr<uint8_t>();
+  const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
+  const float* bp = in.bias.defined() ? in.bias.data_ptr<float>() : nullptr;
+  return vnni_layout_linear(in, N, Kp, 4 * Kp, [&](Isa isa, bool avx2_vnni, const int8_t* xq, const int32_t* corr,
+                                                   const float* xs, const Layout& L, float* yp, int64_t n0,
+                                                   int64_t n1, int64_t m0, int64_t m1) {
+    if (at_least(isa, Isa::avx512))
+      avx512::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+    else if (avx2_vnni)
+      avx2_vnni::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+    else if (isa == Isa::avx2)
+      avx2::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+    else
+      linear_block_scalar(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+  });
 }
 
 // Quantize activation rows [m0, m1) into natural order: xq [M, Kp], block scales xs and sums xsum [M, Kp/32].

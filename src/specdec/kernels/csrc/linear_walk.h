@@ -76,10 +76,25 @@ inline void tile_mr(int mr, const uint8_t* W, const int8_t* X, const int32_t* co
   }
 }
 
-// process weight rows [n0, n1) x activation rows [m0, m1)
-void linear_block(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
-                      const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
-                      int64_t m0, int64_t m1) {
+// The plain weight row at Wr (the last N % 4 rows of a layer) x activation rows [m0, m1): y[m][0] at y + m * N.
+inline void plain_row(const uint8_t* Wr, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
+                      const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t m0, int64_t m1) {
+  const int64_t ldc = L.U * 16;
+  constexpr int MR = kTileRows;
+  for (int64_t m = m0; m < m1; m += MR) {
+    const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+    tile_mr<1>(mr, Wr, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale, bias, y + m * N, N);
+  }
+}
+
+// The full tile of 4 weight rows at Wt x activation rows [m0, m1), in K slices where the tile is wide (see tile):
+// y[m][0..3] at y + m * N. pf: the next tile's bytes to prefetch into L2 (nullptr: none).
+// Every row block prefetches the next tile (the same lines again after the first block: measured, with 8
+// activation rows this lets memory keep streaming while the row blocks compute, where prefetching from the
+// first block only left memory idle for most of the tile; T0 hint or more tiles ahead are slower).
+inline void full_tile(const uint8_t* Wt, const uint8_t* pf, const int8_t* X, const int32_t* corr, const float* xs,
+                      const Layout& L, const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t m0,
+                      int64_t m1) {
   const int64_t ldc = L.U * 16;
   constexpr int NR = 4;
   constexpr int MR = kTileRows;
@@ -88,32 +103,31 @@ void linear_block(const uint8_t* W, const int8_t* X, const int32_t* corr, const 
                                   ? std::max<int64_t>(1, kSliceBytes / (NR * kGroup))
                                   : L.U;
   alignas(64) vf partial[kMaxSlicedRows * NR];
-  for (int64_t n = n0; n < n1; n += NR) {
-    const int64_t nr = std::min<int64_t>(NR, n1 - n);
-    if (nr < NR) {  // the last N % 4 rows are plain rows
-      for (int64_t m = m0; m < m1; m += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-        for (int64_t i = n; i < n + nr; ++i)
-          tile_mr<1>(mr, W + i * L.Kp, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale + i * (L.Kp / 32),
-                         bias ? bias + i : nullptr, y + m * N + i, N);
-      }
-      continue;
+  for (int64_t u0 = 0; u0 < L.U; u0 += slice_units) {
+    const int64_t u1 = u0 + slice_units >= L.G ? L.U : u0 + slice_units;
+    for (int64_t m = m0; m < m1; m += MR) {
+      const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+      tile_mr<NR>(mr, Wt, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale, bias, y + m * N, N, pf, u0, u1,
+                  slice_units < L.U ? partial + (m - m0) * NR : nullptr);
     }
-    // Full tiles are tile-interleaved. Every row block prefetches the next tile into L2 (the same lines again
-    // after the first block: measured, with 8 activation rows this lets memory keep streaming while the row
-    // blocks compute, where prefetching from the first block only left memory idle for most of the tile;
-    // T0 hint or more tiles ahead are slower).
-    const uint8_t* pf = n + 2 * NR <= n1 ? W + (n + NR) * L.Kp : nullptr;
-    for (int64_t u0 = 0; u0 < L.U; u0 += slice_units) {
-      const int64_t u1 = u0 + slice_units >= L.G ? L.U : u0 + slice_units;
-      for (int64_t m = m0; m < m1; m += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-        tile_mr<NR>(mr, W + n * L.Kp, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale + n * (L.Kp / 32),
-                        bias ? bias + n : nullptr, y + m * N + n, N, pf, u0, u1,
-                        slice_units < L.U ? partial + (m - m0) * NR : nullptr);
-      }
-      if (u1 == L.U) break;
-    }
+    if (u1 == L.U) break;
   }
 }
 
+// process weight rows [n0, n1) x activation rows [m0, m1)
+void linear_block(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
+                  const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
+                  int64_t m0, int64_t m1) {
+  constexpr int NR = 4;
+  const int64_t ldw = L.Kp / 32;
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t nr = std::min<int64_t>(NR, n1 - n);
+    if (nr < NR) {  // the last N % 4 rows are plain rows
+      for (int64_t i = n; i < n + nr; ++i)
+        plain_row(W + i * L.Kp, X, corr, xs, L, wscale + i * ldw, bias ? bias + i : nullptr, y + i, N, m0, m1);
+      continue;
+    }
+    const uint8_t* pf = n + 2 * NR <= n1 ? W + (n + NR) * L.Kp : nullptr;
+    full_tile(W + n * L.Kp, pf, X, corr, xs, L, wscale + n * ldw, bias ? bias + n : nullptr, y + n, N, m0, m1);
+  }
+}
