@@ -22,7 +22,7 @@ MAX_DRAFT_BRANCHES = 8
 # cut by the cost
 # model, draft trees (measured: docs/methods.md, token trees); lookups draft chains.
 DEFAULT_DRAFT_BRANCHES = {"draft_model": 4, "eagle": 4}
-DRAFT_WEIGHT_FORMATS = ("auto", "q4", "q4-all", "q8", "fp32")  # models/layers.py: WEIGHT_FORMATS
+DRAFT_WEIGHT_FORMATS = ("auto", "q4", "q4-all", "q5", "q8", "fp32")  # models/layers.py: WEIGHT_FORMATS
 # a draft model's format when the config leaves it out: its weights choose which tokens are proposed, never the
 # output, so it takes the format with the cheapest forward (measured: docs/kernels.md, weight formats)
 DEFAULT_DRAFT_WEIGHT_FORMAT = "q4-all"
@@ -258,8 +258,8 @@ class SpeculativeConfig:
           its end-of-sequence tokens, instead of the whole vocabulary (FR-Spec's reduced draft head): each
           draft forward reads fewer weights. Drafts stay verified by the target, so the output is unchanged;
           a sampled draft's distribution is the reduced one. None (default) = the whole vocabulary.
-      weight_format: draft_model only: the draft model's weight format (auto, q4, q4-all, q8 or fp32); None (default) =
-          q4-all (DEFAULT_DRAFT_WEIGHT_FORMAT), whatever the target's.
+      weight_format: draft_model only: the draft model's weight format (auto, q4, q4-all, q5, q8 or fp32); None
+          (default) = q4-all (DEFAULT_DRAFT_WEIGHT_FORMAT), whatever the target's.
 
     Our keys (suffix drafter only):
       suffix_max_depth: depth limit of the suffix trie = longest context + draft it can match (>= 1).

@@ -30,11 +30,11 @@ def load_model(
     name_or_path: str, weight_format: str = "auto", device: torch.device | str = "cpu",
     parallel: TensorParallel | None = None,
 ) -> tuple[Transformer, Tokenizer]:
-    """weight_format: auto (q4 where the file stores Q4_K, q6 where Q6_K, q8 elsewhere), q4, q4-all, q8 or fp32
+    """weight_format: auto (q4 where the file stores Q4_K, q6 where Q6_K, q8 elsewhere), q4, q4-all, q5, q8 or fp32
     (models/layers.py).
     parallel: this process's rank in a tensor-parallel group (it keeps its shard; see engine/tensor_parallel.py)."""
     check_weight_format(weight_format)
-    keep_block_bytes = weight_format in ("auto", "q4", "q4-all")
+    keep_block_bytes = weight_format in ("auto", "q4", "q4-all", "q5")
     checkpoint = load_checkpoint(resolve_model(name_or_path), keep_block_bytes=keep_block_bytes)
     model = Transformer(checkpoint.config, checkpoint.tensors, weight_format=weight_format, device=device,
                         source=str(name_or_path), storage=checkpoint.storage, parallel=parallel)

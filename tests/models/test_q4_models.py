@@ -62,13 +62,14 @@ def test_linear_format_rules():
     assert storage.linear_parts(["c", "a", "b", "g"], 512, "q4") == [(["c"], "q6"), (["a", "b"], "q4"), (["g"], "q6")]
     assert storage.linear_parts(["a", "b"], 512, "auto") == [(["a", "b"], "q4")]  # one format: one part
     assert storage.linear_parts(["a", "c"], 640, "auto") == [(["a", "c"], "q8")]  # no lossless width
-    assert storage.linear_parts(["a", "d"], 512, "auto") == [(["a", "d"], "q8")]  # d (F16) has no lossless part
-    assert storage.linear_parts(["a", "f"], 512, "q4") == [(["a", "f"], "q8")]  # nor f (Q8_0)
+    # d (F16) has no lossless format: a stays lossless, d is q8 beside it
+    assert storage.linear_parts(["a", "d"], 512, "auto") == [(["a"], "q4"), (["d"], "q8")]
+    assert storage.linear_parts(["a", "f"], 512, "q4") == [(["a"], "q4"), (["f"], "q8")]  # nor f (Q8_0)
     for weight_format in ("q8", "fp32"):
         assert storage.linear_parts(["a", "c"], 512, weight_format) == [(["a", "c"], weight_format)]
     assert storage.linear_parts(["a", "c"], 512, "q4-all") == [(["a", "c"], "q4")]  # all of it requantized
     assert storage.linear_format(["a"], 512, "fp32") == "fp32"
-    with pytest.raises(ValueError, match="unknown weight format 'q3'; choose one of auto, q4, q4-all, q8, fp32"):
+    with pytest.raises(ValueError, match="unknown weight format 'q3'; choose one of auto, q4, q4-all, q5, q8, fp32"):
         check_weight_format("q3")
 
 

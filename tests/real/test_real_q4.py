@@ -4,6 +4,7 @@ q8."""
 import pytest
 import torch
 
+from specdec.kernels import ops
 from specdec.models.catalog import model_path
 from specdec.models.loader import load_checkpoint
 from specdec.models.transformer import Transformer
@@ -48,3 +49,26 @@ def test_qwen_1_5b_mixed_qkv_runs_as_lossless_q4_and_q6_parts():
         else:
             assert stored == ["Q4_K"] * 3 and layer.qkv_proj.format == "q4", (index, stored)
     assert mixed == 14
+
+
+def test_gemma_q5_runs_its_q5_0_layers_as_q5_with_autos_bits():
+    """weight_format="q5": Gemma-3-270M's Q5_0 layers (q/k and gate/up, 640 inputs) run as q5 with the file's values
+    (auto requantizes them to q8) in a third fewer bytes, and each gives q8_linear's bits on the same int8 values."""
+    real_model_path("gemma-3-270m")
+    checkpoint = load_checkpoint(model_path("gemma-3-270m"), keep_block_bytes=True)
+    auto = Transformer(checkpoint.config, checkpoint.tensors, "auto", storage=checkpoint.storage)
+    small = Transformer(checkpoint.config, checkpoint.tensors, "q5", storage=checkpoint.storage)
+    q5_layers = 0
+    for index, layer in enumerate(small.layers):
+        gate = f"layers.{index}.gate_proj"
+        assert checkpoint.storage.types[gate] == "Q5_0" and layer.gate_up_proj.format == "q5"
+        expected = torch.cat([checkpoint.tensors[gate], checkpoint.tensors[f"layers.{index}.up_proj"]])
+        assert torch.equal(layer.gate_up_proj.blocks.dequantize(), expected)
+        q5_layers += sum(part.format == "q5" for part in layer.qkv_proj.parts)
+    assert q5_layers == 18  # q/k (and v where it is Q5_0) as one q5 part per layer
+    assert small.linear_bytes()["q5"] < 0.7 * (auto.linear_bytes()["q8"] - small.linear_bytes()["q8"])
+    x = torch.randn(9, checkpoint.config.hidden_size)
+    gate_up = small.layers[0].gate_up_proj
+    assert torch.equal(gate_up(x), ops.q8_linear(x, gate_up.blocks.as_q8()))
+    reference = auto.layers[0].gate_up_proj(x)
+    assert float((gate_up(x) - reference).norm() / reference.norm()) < 0.02

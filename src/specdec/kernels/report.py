@@ -27,7 +27,7 @@ TORCH_COST = ("slower decoding than the compiled kernels (a dequantized copy of 
 FP32_COST = ("torch's matmul is not row invariant: speculative greedy output may differ from plain decoding "
              "(fp32 is the reference for parity with HF transformers)")
 # weight formats whose linear layers run our fixed-order kernels (fp32 runs torch's F.linear)
-ROW_INVARIANT_FORMATS = ("auto", "q4", "q4-all", "q8")
+ROW_INVARIANT_FORMATS = ("auto", "q4", "q4-all", "q5", "q8")
 CUDA_COST = ("the torch fallback is not row invariant: speculative greedy output may differ from plain decoding "
              "(exactness is not guaranteed on CUDA)")
 

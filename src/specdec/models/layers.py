@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from specdec.kernels import QuantizedWeight, embedding, q8_linear, quantize_weight
 from specdec.kernels.q4 import Q4Weight, q4_from_q4k_blocks, q4_linear, q4_supports, quantize_q4
+from specdec.kernels.q5 import Q5Weight, q5_from_q5_0_blocks, q5_linear, q5_supports
 from specdec.kernels.q6 import Q6Weight, q6_from_q6k_blocks, q6_linear, q6_supports
 
 # auto: q4 where the file stores a layer as Q4_K, q6 where it stores it as Q6_K (both lossless: the file's blocks,
@@ -24,12 +25,18 @@ from specdec.kernels.q6 import Q6Weight, q6_from_q6k_blocks, q6_linear, q6_suppo
 # q4-all: q4 for every linear layer, the output layer and the file's 6- and 8-bit layers included (a tied output
 #       layer gets a q4 copy beside the q8 embedding table): the fewest bytes a token, for draft models, whose
 #       weights choose the proposals, never the output.
+# q5:   as auto, and q5 where the file stores a layer as Q5_0 (lossless, 5.5 bits a weight: the type Q4_K_M files use
+#       where a width is no multiple of 256) instead of q8 (which requantizes it): the file's values exactly, a third
+#       fewer bytes for those layers; its kernel unpacks each tile before the int8 linear's code runs over it, so
+#       verify blocks of several rows cost more on AVX-512 (docs/kernels.md, "Weight formats").
 # q8:   every layer int8.   fp32: the reference (torch's matmul, not row invariant).
-WEIGHT_FORMATS = ("auto", "q4", "q4-all", "q8", "fp32")
+WEIGHT_FORMATS = ("auto", "q4", "q4-all", "q5", "q8", "fp32")
 Q4_LOSSLESS_STORAGE = frozenset({"Q4_K"})
+Q5_LOSSLESS_STORAGE = frozenset({"Q5_0"})
 Q6_LOSSLESS_STORAGE = frozenset({"Q6_K"})
-BLOCK_STORAGE = Q4_LOSSLESS_STORAGE | Q6_LOSSLESS_STORAGE  # the types whose raw bytes a checkpoint keeps
-LOSSLESS_STORAGE = {"q4": "Q4_K", "q6": "Q6_K"}  # the storage each block format loads losslessly
+# the types whose raw bytes a checkpoint keeps
+BLOCK_STORAGE = Q4_LOSSLESS_STORAGE | Q5_LOSSLESS_STORAGE | Q6_LOSSLESS_STORAGE
+LOSSLESS_STORAGE = {"q4": "Q4_K", "q5": "Q5_0", "q6": "Q6_K"}  # the storage each block format loads losslessly
 Q4_QUANTIZED_STORAGE = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0"})
 
 
@@ -41,14 +48,14 @@ def check_weight_format(weight_format: str) -> None:
 @dataclass(frozen=True)
 class TensorStorage:
     """How a checkpoint stored its tensors: the storage type per canonical name ("Q4_K", "Q6_K", "F16", "BF16",
-    ...; absent = fp32) and the raw bytes of its Q4_K and Q6_K tensors ([out, in/256 * 144] and [out, in/256 *
-    210] uint8), which q4 and q6 load losslessly."""
+    ...; absent = fp32) and the raw bytes of its Q4_K, Q5_0 and Q6_K tensors ([out, in/256 * 144], [out, in/32 * 22]
+    and [out, in/256 * 210] uint8), which q4, q5 and q6 load losslessly."""
 
     types: dict[str, str] = field(default_factory=dict)
     block_bytes: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def linear_format(self, names: list[str], in_features: int, weight_format: str) -> str:
-        """The format ("q4", "q6", "q8" or "fp32") of a linear made of the row-concatenated tensors ``names``."""
+        """The format ("q4", "q5", "q6", "q8" or "fp32") of a linear made of the row-concatenated tensors ``names``."""
         check_weight_format(weight_format)
         if weight_format in ("q8", "fp32"):
             return weight_format
@@ -60,18 +67,20 @@ class TensorStorage:
             return "q6"
         if weight_format == "q4-all" or (weight_format == "q4" and storage <= Q4_QUANTIZED_STORAGE):
             return "q4"
+        if weight_format == "q5" and storage <= Q5_LOSSLESS_STORAGE and q5_supports(in_features) and have_bytes:
+            return "q5"
         return "q8"
 
     def linear_parts(self, names: list[str], in_features: int, weight_format: str) -> list[tuple[list[str], str]]:
         """The parts of a linear made of the row-concatenated tensors ``names``, each (its names, its format): one
         part in linear_format's format, or, where that is q8 only because the file stores the names in different
-        block types it loads losslessly (Qwen2.5's Q4_K_M: q and k as Q4_K, v as Q6_K), one part per run of
-        names of one such type, each lossless (q4, q6) instead of the whole requantized to 8 bits."""
+        block types (Qwen2.5's Q4_K_M: q and k as Q4_K, v as Q6_K; Gemma 3's: q and k as Q5_0, v as Q8_0), one part
+        per run of names of one type, each lossless (q4, q5, q6) or q8, instead of the whole requantized to 8 bits."""
         whole = self.linear_format(names, in_features, weight_format)
-        if whole != "q8" or weight_format not in ("auto", "q4") or len(names) < 2:
+        if whole != "q8" or weight_format not in ("auto", "q4", "q5") or len(names) < 2:
             return [(list(names), whole)]
         formats = [self.linear_format([name], in_features, weight_format) for name in names]
-        if not all(self.lossless_bytes([name], fmt) is not None for name, fmt in zip(names, formats)):
+        if not all(fmt == "q8" or self.lossless_bytes([name], fmt) is not None for name, fmt in zip(names, formats)):
             return [(list(names), whole)]
         parts: list[tuple[list[str], str]] = []
         for name, fmt in zip(names, formats):
@@ -79,11 +88,12 @@ class TensorStorage:
                 parts[-1][0].append(name)
             else:
                 parts.append(([name], fmt))
-        return parts
+        return parts if len(parts) > 1 else [(list(names), whole)]
 
     def lossless_bytes(self, names: list[str], linear_format: str) -> torch.Tensor | None:
-        """The file's blocks of the row-concatenated tensors ``names`` ([out, in/256 * 144 or 210] uint8) when
-        ``linear_format`` loads them losslessly (q4 from Q4_K, q6 from Q6_K bytes), else None."""
+        """The file's blocks of the row-concatenated tensors ``names`` ([out, in/256 * 144 or 210], [out, in/32 * 22]
+        uint8) when ``linear_format`` loads them losslessly (q4 from Q4_K, q5 from Q5_0, q6 from Q6_K bytes), else
+        None."""
         storage_type = LOSSLESS_STORAGE.get(linear_format)
         if storage_type is None or not all(self.types.get(name) == storage_type and name in self.block_bytes
                                            for name in names):
@@ -118,7 +128,8 @@ class Linear:
     """A linear layer in one weight format; call it on activations [rows, in] -> [rows, out] fp32.
 
     q8: int8 weights with per-row scales, our row-invariant kernel (see docs/kernels.md).
-    q4, q6: GGUF Q4_K's 4-bit and Q6_K's 6-bit blocks, our row-invariant kernels (kernels/q4.py, kernels/q6.py).
+    q4, q5, q6: GGUF Q4_K's 4-bit, Q5_0's 5-bit and Q6_K's 6-bit blocks, our row-invariant kernels (kernels/q4.py,
+    kernels/q5.py: bitwise q8's on the same weights, kernels/q6.py).
     fp32: dense fp32 weights and torch's F.linear (reference / parity tests; not row-invariant).
     Exactly one of dense, quantized and blocks is set.
     """
@@ -126,14 +137,14 @@ class Linear:
     dense: torch.Tensor | None  # [out, in] fp32, fp32 format only
     quantized: QuantizedWeight | None  # q8 format only
     bias: torch.Tensor | None  # [out] fp32
-    blocks: Q4Weight | Q6Weight | None = None  # q4 and q6 formats only
+    blocks: Q4Weight | Q5Weight | Q6Weight | None = None  # q4, q5 and q6 formats only
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str,
               block_bytes: torch.Tensor | None = None) -> "Linear":
-        """weight [out, in] in "q8", "q4", "q6" or "fp32" (a resolved format, see TensorStorage.linear_format);
-        q4 and q6 from ``block_bytes`` (the file's Q4_K or Q6_K bytes of this weight, lossless) when given, q4 else
-        quantized from weight."""
+        """weight [out, in] in "q8", "q4", "q5", "q6" or "fp32" (a resolved format, see TensorStorage.linear_format);
+        q4, q5 and q6 from ``block_bytes`` (the file's Q4_K, Q5_0 or Q6_K bytes of this weight, lossless) when given,
+        q4 else quantized from weight."""
         out_features, in_features = weight.shape
         if weight_format == "q8":
             return cls(dense=None, quantized=quantize_weight(weight), bias=bias)
@@ -141,6 +152,11 @@ class Linear:
             q4 = (q4_from_q4k_blocks(block_bytes, out_features, in_features) if block_bytes is not None
                   else quantize_q4(weight))
             return cls(dense=None, quantized=None, bias=bias, blocks=q4)
+        if weight_format == "q5":
+            if block_bytes is None:
+                raise ValueError("q5 loads a file's Q5_0 blocks: it has no quantizer (use q8 or q4)")
+            return cls(dense=None, quantized=None, bias=bias,
+                       blocks=q5_from_q5_0_blocks(block_bytes, out_features, in_features))
         if weight_format == "q6":
             if block_bytes is None:
                 raise ValueError("q6 loads a file's Q6_K blocks: it has no quantizer (use q8 or q4)")
@@ -148,7 +164,7 @@ class Linear:
                        blocks=q6_from_q6k_blocks(block_bytes, out_features, in_features))
         if weight_format == "fp32":
             return cls(dense=weight.float().contiguous(), quantized=None, bias=bias)
-        raise ValueError(f"unknown linear format {weight_format!r}; choose one of q8, q4, q6, fp32")
+        raise ValueError(f"unknown linear format {weight_format!r}; choose one of q8, q4, q5, q6, fp32")
 
     @property
     def q4(self) -> Q4Weight | None:
@@ -161,7 +177,7 @@ class Linear:
     @property
     def format(self) -> str:
         if self.blocks is not None:
-            return "q4" if isinstance(self.blocks, Q4Weight) else "q6"
+            return _BLOCK_FORMATS[type(self.blocks)]
         return "q8" if self.quantized is not None else "fp32"
 
     @property
@@ -178,8 +194,7 @@ class Linear:
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None:
-            block_linear = q4_linear if isinstance(self.blocks, Q4Weight) else q6_linear
-            return block_linear(inputs, self.blocks, self.bias)
+            return _BLOCK_LINEARS[type(self.blocks)](inputs, self.blocks, self.bias)
         if self.quantized is not None:
             return q8_linear(inputs, self.quantized, self.bias)
         return F.linear(inputs, self.dense, self.bias)
@@ -218,6 +233,10 @@ class Linear:
         if self.dense is not None:
             return self.dense.numel() * self.dense.element_size()
         return self.quantized.nbytes
+
+
+_BLOCK_FORMATS = {Q4Weight: "q4", Q5Weight: "q5", Q6Weight: "q6"}
+_BLOCK_LINEARS = {Q4Weight: q4_linear, Q5Weight: q5_linear, Q6Weight: q6_linear}
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,12 @@ from specdec.models.config import ModelConfig
 from specdec.models.layers import TensorStorage
 
 # inputs per unit of a row-parallel split, by the format the layer runs in
-SPLIT_UNITS = {"q8": 32, "q4": 256, "q6": 256, "fp32": 1}
+SPLIT_UNITS = {"q8": 32, "q4": 256, "q5": 32, "q6": 256, "fp32": 1}
 # A worker waits for the leader's next command as long as the engine idles; a peer that dies closes its sockets,
 # which fails the wait at once, so the timeout only bounds a peer that hangs.
 GROUP_TIMEOUT = timedelta(days=30)
-SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210}  # bytes of one GGUF super-block (256 inputs of one row) by type
+# (inputs, bytes) of one GGUF block of one row, by type: Q4_K and Q6_K super-blocks, Q5_0 blocks
+STORAGE_BLOCKS = {"Q4_K": (256, 144), "Q5_0": (32, 22), "Q6_K": (256, 210)}
 
 
 # ---- what each rank holds --------------------------------------------------------------------------------------
@@ -126,20 +127,21 @@ class ShardPlan:
             return tensor[:, columns]
         return tensor
 
-    def shard_block_bytes(self, name: str, raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
-        """This rank's part of a Q4_K or Q6_K tensor's raw bytes [out, in/256 * block_bytes]: whole super-blocks
-        of its rows or columns (the columns fall on super-blocks: `build` checked it)."""
+    def shard_block_bytes(self, name: str, raw: torch.Tensor, storage_type: str) -> torch.Tensor:
+        """This rank's part of a Q4_K, Q5_0 or Q6_K tensor's raw bytes [out, in/block_inputs * block_bytes]: whole
+        blocks of its rows or columns (the columns fall on blocks: `build` checked it)."""
         rows, columns = self.rows_of(name), self.columns_of(name)
         if rows is not None:
             return raw[rows]
         if columns is not None:
-            first, last = columns.start // 256, columns.stop // 256
+            block_inputs, block_bytes = STORAGE_BLOCKS[storage_type]
+            first, last = columns.start // block_inputs, columns.stop // block_inputs
             return raw[:, first * block_bytes : last * block_bytes]
         return raw
 
     def storage(self, storage: TensorStorage) -> TensorStorage:
-        """The checkpoint's storage record with this rank's part of its Q4_K and Q6_K bytes."""
-        shard = lambda name, raw: self.shard_block_bytes(name, raw, SUPER_BLOCK_BYTES[storage.types[name]])  # noqa: E731
+        """The checkpoint's storage record with this rank's part of its Q4_K, Q5_0 and Q6_K bytes."""
+        shard = lambda name, raw: self.shard_block_bytes(name, raw, storage.types[name])  # noqa: E731
         return TensorStorage(types=storage.types,
                              block_bytes=_ShardedMapping(storage.block_bytes, shard))  # type: ignore
 

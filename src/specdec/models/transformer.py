@@ -94,7 +94,7 @@ class Transformer:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], weight_format: str = "auto", device="cpu",
                  source: str = "", storage: TensorStorage | None = None,
                  parallel: TensorParallel | None = None) -> None:
-        """weight_format: auto, q4, q4-all, q8 or fp32 (models/layers.py: WEIGHT_FORMATS); storage: how the file
+        """weight_format: auto, q4, q4-all, q5, q8 or fp32 (models/layers.py: WEIGHT_FORMATS); storage: how the file
         stored the tensors (its Q4_K and Q6_K bytes load losslessly as q4 and q6; none: every tensor counts as fp32, so
         auto means q8).
         source: the catalogue name or path the weights came from ("" for models built in memory); it keys

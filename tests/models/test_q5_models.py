@@ -1,0 +1,75 @@
+"""The q5 weight format's rules: the file's Q5_0 layers run as q5 under weight_format="q5" (lossless), as q8 under
+auto (requantized), as q4 under q4; a fused layer of Q5_0 and Q8_0 parts runs as a q5 part and a q8 part."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from specdec.kernels import QuantizedWeight
+from specdec.models.layers import ConcatLinear, Linear, TensorStorage
+
+IN_FEATURES = 96  # no multiple of 256 (Q4_K's and Q6_K's rule), whole Q5_0 blocks
+
+
+def _storage(names_and_types: dict[str, str], out_features: int = 8) -> tuple[TensorStorage, dict[str, torch.Tensor]]:
+    rng = np.random.default_rng(0)
+    storage, tensors = TensorStorage(), {}
+    for name, storage_type in names_and_types.items():
+        storage.types[name] = storage_type
+        if storage_type == "Q5_0":
+            raw = rng.integers(0, 256, size=(out_features * IN_FEATURES // 32, 22), dtype=np.uint8)
+            raw[:, 0:2] = (rng.standard_normal(len(raw)) * 1e-2).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            storage.block_bytes[name] = torch.from_numpy(raw.reshape(out_features, -1))
+            tensors[name] = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q5_0)).view(out_features, -1)
+        else:
+            tensors[name] = torch.randn(out_features, IN_FEATURES) * 0.01
+    return storage, tensors
+
+
+@pytest.mark.parametrize("weight_format, expected", [("q5", "q5"), ("auto", "q8"), ("q4", "q4"), ("q8", "q8"),
+                                                     ("q4-all", "q4")])
+def test_q5_0_layers_format(weight_format, expected):
+    storage, _ = _storage({"gate": "Q5_0", "up": "Q5_0"})
+    assert storage.linear_format(["gate", "up"], IN_FEATURES, weight_format) == expected
+
+
+def test_q5_layer_carries_the_files_values_and_q8s_bits():
+    storage, tensors = _storage({"gate": "Q5_0", "up": "Q5_0"})
+    names = ["gate", "up"]
+    weight = torch.cat([tensors[name] for name in names])
+    q5_linear = Linear.build(weight, None, "q5", storage.lossless_bytes(names, "q5"))
+    # the same values as a q8 weight: Q5_0's -16..15 with its block scales, exact in int8
+    exact_q8 = Linear(dense=None, quantized=q5_linear.blocks.as_q8(), bias=None)
+    assert q5_linear.format == "q5" and torch.equal(q5_linear.blocks.dequantize(), weight)
+    assert torch.equal(exact_q8.quantized.dequantize(), weight)
+    x = torch.randn(5, IN_FEATURES)
+    assert torch.equal(q5_linear(x), exact_q8(x))
+    requantized = Linear.build(weight, None, "q8")  # auto's q8 rescales every block to +-127
+    assert float((q5_linear(x) - requantized(x)).norm() / requantized(x).norm()) < 0.02
+    assert q5_linear.nbytes() < 0.7 * requantized.nbytes()
+    rows = torch.tensor([1, 9, 14])
+    assert torch.equal(q5_linear.rows(rows)(x), q5_linear(x)[:, rows])
+
+
+def test_q5_needs_the_files_blocks():
+    with pytest.raises(ValueError, match="Q5_0 blocks"):
+        Linear.build(torch.randn(8, IN_FEATURES), None, "q5")
+
+
+def test_q5_0_and_q8_0_parts_of_a_fused_layer_run_side_by_side():
+    """Gemma-3-270M's Q4_K_M stores q and k as Q5_0 and v as Q8_0 in half of its layers."""
+    storage, tensors = _storage({"q": "Q5_0", "k": "Q5_0", "v": "Q8_0"})
+    names = ["q", "k", "v"]
+    parts = storage.linear_parts(names, IN_FEATURES, "q5")
+    assert parts == [(["q", "k"], "q5"), (["v"], "q8")]
+    assert storage.linear_parts(names, IN_FEATURES, "auto") == [(names, "q8")]
+    built = ConcatLinear(tuple(
+        Linear.build(torch.cat([tensors[name] for name in part]), None, fmt, storage.lossless_bytes(part, fmt))
+        for part, fmt in parts))
+    q5_part, q8_part = built.parts
+    assert built.format == "q5+q8" and torch.equal(q5_part.blocks.dequantize(), torch.cat([tensors["q"], tensors["k"]]))
+    x = torch.randn(3, IN_FEATURES)
+    exact = torch.cat([Linear(dense=None, quantized=q5_part.blocks.as_q8(), bias=None)(x), q8_part(x)], dim=1)
+    assert torch.equal(built(x), exact)
+    assert isinstance(q8_part.quantized, QuantizedWeight)
