@@ -8,6 +8,7 @@ import functools
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing
@@ -17,6 +18,7 @@ from specdec.config import SamplingParams
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine.engine import Engine
 from specdec.engine.tensor_parallel import launch, mirrored_caches
+from specdec.kernels import q5
 from specdec.llm import LLM
 from specdec.models.batch import ForwardBatch
 from specdec.models.layers import Linear, TensorStorage
@@ -247,3 +249,22 @@ def test_a_loaded_model_is_not_split_again(tiny_tokenizer):
     model = build_tiny("llama", "q8", {}, None)[0]
     with pytest.raises(ValueError, match="a loaded model is split already"):
         LLM(loaded=(model, tiny_tokenizer), tensor_parallel_size=2)
+
+
+def test_a_q5_shard_holds_the_files_q5_0_blocks_of_its_columns():
+    """A row-parallel layer stored as Q5_0 (blocks of 32 inputs, 22 bytes each): each rank's bytes are whole blocks of
+    its columns, the very values of the whole layer there."""
+    config = tiny_config("llama", hidden_size=256, intermediate_size=512, head_dim=64)
+    name, out_features, in_features = "layers.0.o_proj", 256, 256
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(out_features * in_features // 32, 22), dtype=np.uint8)
+    raw[:, 0:2] = (rng.standard_normal(len(raw)) * 1e-2).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    raw = torch.from_numpy(raw.reshape(out_features, -1))
+    whole = q5.q5_from_q5_0_blocks(raw, out_features, in_features).dequantize()
+    storage = TensorStorage(types={name: "Q5_0"}, block_bytes={name: raw})
+    for rank in range(2):
+        plan = ShardPlan.build(config, 2, rank, storage, "q5")
+        columns = plan.columns_of(name)
+        shard = plan.storage(storage).block_bytes[name]
+        held = q5.q5_from_q5_0_blocks(shard, out_features, columns.stop - columns.start).dequantize()
+        assert torch.equal(held, whole[:, columns])
