@@ -1,6 +1,7 @@
 """Where one forward's time goes, kernel by kernel, for n = 1 and n = 8 new tokens (or other row counts).
 
     python -m specdec.bench.forward_breakdown --model smollm2-135m-instruct [--context 256] [--rows 1,8]
+        [--weight-format auto]
 
 Every kernel entry point the model calls (attention, the row-wise kernels, each linear by its shape) is
 wrapped in a timer for the measurement and restored afterwards; the forwards themselves run unchanged. Each
@@ -37,7 +38,7 @@ class ForwardBreakdown:
 
 
 def _linear_label(linear: Linear) -> str:
-    """'linear INxOUT', with ' q4' or ' q6' after a layer in those formats (a model in auto mixes q4, q6 and q8
+    """'linear INxOUT', with ' q4', ' q5' or ' q6' after a layer in those formats (a model in auto mixes q4, q6 and q8
     layers)."""
     if linear.blocks is not None:
         return f"linear {linear.blocks.in_features}x{linear.out_features} {linear.format}"
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--forwards", type=int, default=30, help="forwards per row count and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weight-format", default="auto", help="the target's weight format (models/layers.py)")
     args = parser.parse_args(argv)
     from specdec.llm import LLM
 
@@ -127,10 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = [int(r) for r in args.rows.split(",")]
     if not rows or min(rows) < 1:
         parser.error(f"--rows must list row counts >= 1, got {args.rows!r}")
-    llm = LLM(model=args.model, max_model_len=args.context + max(rows) + 16, max_num_seqs=1)
+    llm = LLM(model=args.model, max_model_len=args.context + max(rows) + 16, max_num_seqs=1,
+              weight_format=args.weight_format)
     slot = llm.engine.cache.allocate()
     result = forward_breakdown(llm.model, llm.engine.cache, slot, args.context, rows, args.forwards, args.rounds)
-    print(f"{args.model}: {args.context} cached tokens, {args.threads} threads, medians of {args.rounds} rounds")
+    print(f"{args.model} ({args.weight_format}): {args.context} cached tokens, {args.threads} threads, medians of "
+          f"{args.rounds} rounds")
     print(format_breakdown(result, rows))
 
 

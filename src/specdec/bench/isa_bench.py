@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--weight-formats", default="auto",
-                        help="weight formats, comma-separated (auto, q4, q4-all, q8)")
+                        help="weight formats, comma-separated (auto, q4, q4-all, q5, q8)")
     parser.add_argument("--llama-bench", action="append", default=[],
                         help="[LABEL=]PATH of a llama.cpp llama-bench binary (repeatable)")
     parser.add_argument("--llama-cpp", action="store_true", help="llama.cpp through llama-cpp-python instead")

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the q4 and q6 linears against the q8 linear, per kernel path, on model shapes.
+"""Micro-benchmark of the q4, q5 and q6 linears against the q8 linear, per kernel path, on model shapes.
 
     python -m specdec.bench.q4_bench [--threads 2] [--ms 1,2,4,8,16] [--isas avx2,avx512] [--hot]
 
@@ -7,7 +7,7 @@ and the weight bytes per weight. The q4 and q8 calls of one path run interleaved
 machine's drift affects both alike); by default every call reads its weight from DRAM (copies cycled past the L3),
 as in a decode step. A shape whose in_features is no multiple of 256 runs q4 padded with zero columns (its bits
 column counts the padding); q6 (which only loads a file's Q6_K blocks) runs on random blocks where in_features is a
-multiple of 256.
+multiple of 256, q5 (which only loads a file's Q5_0 blocks) on random 5-bit values where it is a multiple of 32.
 Also: the RMS error of quantize_q4's scale search against a plain min/max grid.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from specdec.bench.kernel_bench import _interleaved_median_times, _rotating
 from specdec.bench.provenance import cpu_name
-from specdec.kernels import ops, q4, q6
+from specdec.kernels import ops, q4, q5, q6
 
 # (model, in_features, out_features)
 SHAPES = [
@@ -27,9 +27,11 @@ SHAPES = [
     ("Qwen2.5-Coder-1.5B", 8960, 1536),
     ("Qwen2.5-Coder-1.5B", 1536, 1536),
     ("Qwen2.5-Coder-1.5B", 1536, 151936),  # the output layer (Q6_K in the file)
-    ("Qwen2.5-Coder-0.5B", 896, 9728),
+    ("Qwen2.5-Coder-0.5B", 896, 9728),  # gate/up (Q5_0 in the file)
+    ("Qwen2.5-Coder-0.5B", 896, 1152),  # q/k/v (Q5_0, and Q8_0 v in half the layers)
     ("Qwen2.5-Coder-0.5B", 4864, 896),
     ("Gemma-3-270M", 640, 2048),
+    ("Gemma-3-270M", 640, 4096),  # gate/up (Q5_0 in the file)
     ("Gemma-3-270M", 2048, 640),
 ]
 
@@ -43,10 +45,19 @@ def _random_q6(out_features: int, in_features: int, generator: torch.Generator) 
         (torch.rand(out_features, super_blocks, generator=generator) * 1e-3).to(torch.float16)))
 
 
+def _random_q5(out_features: int, in_features: int, generator: torch.Generator) -> q5.Q5Weight:
+    """Random Q5_0-like values (the kernel's time does not depend on them)."""
+    return q5.Q5Weight.from_int8(
+        torch.randint(q5.Q_MIN, q5.Q_MAX + 1, (out_features, in_features), generator=generator, dtype=torch.int8),
+        (torch.rand(out_features, -(-in_features // q5.BLOCK), generator=generator) * 1e-2).to(torch.float16))
+
+
 def _formats(weight: torch.Tensor) -> dict:
     """format name -> (packed weight, linear function)."""
     q8 = ops.quantize_weight(weight, "vnni")
     formats = {"q8": (q8, ops.q8_linear), "q4": (q4.quantize_q4(weight, search_steps=0), q4.q4_linear)}
+    if q5.q5_supports(weight.shape[1]):
+        formats["q5"] = (_random_q5(*weight.shape, torch.Generator().manual_seed(3)), q5.q5_linear)
     if q6.q6_supports(weight.shape[1]):
         formats["q6"] = (_random_q6(*weight.shape, torch.Generator().manual_seed(2)), q6.q6_linear)
     return formats
