@@ -1,5 +1,6 @@
 """The q5 weight format's rules: the file's Q5_0 layers run as q5 under weight_format="q5" (lossless), as q8 under
-auto (requantized), as q4 under q4; a fused layer of Q5_0 and Q8_0 parts runs as a q5 part and a q8 part."""
+auto (lossless too where the file's bytes are kept, TensorStorage.exact_int8), as q4 under q4; a fused layer of Q5_0
+and Q8_0 parts runs as a q5 part and a q8 part."""
 import numpy as np
 import pytest
 import torch
@@ -45,7 +46,7 @@ def test_q5_layer_carries_the_files_values_and_q8s_bits():
     assert torch.equal(exact_q8.quantized.dequantize(), weight)
     x = torch.randn(5, IN_FEATURES)
     assert torch.equal(q5_linear(x), exact_q8(x))
-    requantized = Linear.build(weight, None, "q8")  # auto's q8 rescales every block to +-127
+    requantized = Linear.build(weight, None, "q8")  # without the file's bytes q8 rescales every block to +-127
     assert float((q5_linear(x) - requantized(x)).norm() / requantized(x).norm()) < 0.02
     assert q5_linear.nbytes() < 0.7 * requantized.nbytes()
     rows = torch.tensor([1, 9, 14])
@@ -73,3 +74,30 @@ def test_q5_0_and_q8_0_parts_of_a_fused_layer_run_side_by_side():
     exact = torch.cat([Linear(dense=None, quantized=q5_part.blocks.as_q8(), bias=None)(x), q8_part(x)], dim=1)
     assert torch.equal(built(x), exact)
     assert isinstance(q8_part.quantized, QuantizedWeight)
+
+
+def test_int8_storage_loads_as_q8_exactly_and_q5_gives_its_bits():
+    """Q8_0 and Q5_0 tensors keep their values in q8 (TensorStorage.exact_int8); a q5 layer of the same Q5_0 bytes
+    gives the q8 layer's output bit for bit, so auto (q8) and q5 agree."""
+    storage, tensors = _storage({"q": "Q5_0", "k": "Q5_0", "v": "Q8_0"})
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, size=(8 * IN_FEATURES // 32, 34), dtype=np.uint8)
+    raw[:, 2:] = rng.integers(-127, 128, size=(len(raw), 32)).astype(np.int8).view(np.uint8)
+    raw[:, 0:2] = (rng.standard_normal(len(raw)) * 1e-2).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    storage.block_bytes["v"] = torch.from_numpy(raw.reshape(8, -1))
+    tensors["v"] = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q8_0)).view(8, -1)
+    names = ["q", "k", "v"]
+    weight = torch.cat([tensors[name] for name in names])
+    exact = Linear.build(weight, None, "q8", exact_int8=storage.exact_int8(names, IN_FEATURES))
+    assert torch.equal(exact.quantized.dequantize(), weight)
+    x = torch.randn(6, IN_FEATURES)
+    q5_part, q8_part = (
+        Linear.build(torch.cat([tensors[n] for n in part]), None, fmt, storage.lossless_bytes(part, fmt),
+                     storage.exact_int8(part, IN_FEATURES) if fmt == "q8" else None)
+        for part, fmt in storage.linear_parts(names, IN_FEATURES, "q5"))
+    assert torch.equal(ConcatLinear((q5_part, q8_part))(x), exact(x))
+    # a value of -128 (outside q8's range) falls back to requantizing
+    raw[0, 2] = np.uint8(0x80)
+    storage.block_bytes["v"] = torch.from_numpy(raw.reshape(8, -1))
+    assert storage.exact_int8(["v"], IN_FEATURES) is None
+    assert storage.exact_int8(["q", "missing"], IN_FEATURES) is None

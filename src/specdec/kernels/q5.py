@@ -22,18 +22,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from specdec.kernels import ops
 from specdec.kernels.blocks import ROW_TILE, block_linear, dense_linear
+from specdec.kernels.gguf_int8 import int8_blocks
 
 __all__ = ["Q5Weight", "q5_from_q5_0_blocks", "q5_linear", "q5_supports"]
 
 BLOCK = 32  # inputs per block (one fp16 scale), Q5_0's QK5_0
 CHUNK = 64  # inputs per chunk of the vnni layout
 CHUNK_BYTES = 40  # bytes of a q5 chunk: 32 of low nibbles, 8 of fifth bits
-Q5_0_BLOCK_BYTES = 22  # one GGUF Q5_0 block: fp16 d, uint32 qh, qs[16]
 Q_MIN, Q_MAX = -16, 15  # the int8 values a q5 weight holds
 _BIT_WEIGHTS = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 8, 1)  # bit k of a fifth-bit byte
 
@@ -177,23 +176,7 @@ class Q5Weight:
 def q5_from_q5_0_blocks(raw, out_features: int, in_features: int) -> Q5Weight:
     """A GGUF Q5_0 tensor's bytes (uint8 tensor or ndarray [out, in/32 * 22]) -> Q5Weight, losslessly: its
     dequantization equals gguf-py's of the same bytes bit for bit."""
-    if not q5_supports(in_features):
-        raise ValueError(f"a Q5_0 tensor has whole blocks of {BLOCK} inputs, got {in_features}")
-    if isinstance(raw, np.ndarray):
-        raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
-    blocks_per_row = in_features // BLOCK
-    if raw.numel() != out_features * blocks_per_row * Q5_0_BLOCK_BYTES:
-        raise ValueError(f"a Q5_0 tensor [{out_features}, {in_features}] has "
-                         f"{out_features * blocks_per_row * Q5_0_BLOCK_BYTES} bytes, got {raw.numel()}")
-    blocks = raw.contiguous().view(torch.uint8).reshape(-1, Q5_0_BLOCK_BYTES)
-    d = blocks[:, 0:2].contiguous().view(torch.float16).reshape(out_features, blocks_per_row)
-    high_word = blocks[:, 2:6].contiguous().view(torch.int32)  # [blocks, 1]: bit j is value j's fifth bit
-    fifth = (high_word >> torch.arange(32, dtype=torch.int32)) & 1  # [blocks, 32]
-    qs = blocks[:, 6:22]
-    low = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # values 0-15 in the low nibbles, 16-31 in the high ones
-    values = low.to(torch.int16) | (fifth.to(torch.int16) << 4)  # [blocks, 32], 0..31
-    q = (values + Q_MIN).to(torch.int8).reshape(out_features, in_features)
-    return Q5Weight.from_int8(q, d)
+    return Q5Weight.from_int8(*int8_blocks(raw, "Q5_0", out_features, in_features))
 
 
 def q5_linear(x: torch.Tensor, weight: Q5Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.kernels import QuantizedWeight, embedding, q8_linear, quantize_weight
+from specdec.kernels.gguf_int8 import BLOCK_BYTES as INT8_BLOCK_BYTES, int8_blocks
 from specdec.kernels.q4 import Q4Weight, q4_from_q4k_blocks, q4_linear, q4_supports, quantize_q4
 from specdec.kernels.q5 import Q5Weight, q5_from_q5_0_blocks, q5_linear, q5_supports
 from specdec.kernels.q6 import Q6Weight, q6_from_q6k_blocks, q6_linear, q6_supports
@@ -34,8 +35,9 @@ WEIGHT_FORMATS = ("auto", "q4", "q4-all", "q5", "q8", "fp32")
 Q4_LOSSLESS_STORAGE = frozenset({"Q4_K"})
 Q5_LOSSLESS_STORAGE = frozenset({"Q5_0"})
 Q6_LOSSLESS_STORAGE = frozenset({"Q6_K"})
+INT8_STORAGE = frozenset(INT8_BLOCK_BYTES)  # Q8_0, Q5_0, Q4_0: int8 values and fp16 block scales, q8's exactly
 # the types whose raw bytes a checkpoint keeps
-BLOCK_STORAGE = Q4_LOSSLESS_STORAGE | Q5_LOSSLESS_STORAGE | Q6_LOSSLESS_STORAGE
+BLOCK_STORAGE = Q4_LOSSLESS_STORAGE | Q5_LOSSLESS_STORAGE | Q6_LOSSLESS_STORAGE | INT8_STORAGE
 LOSSLESS_STORAGE = {"q4": "Q4_K", "q5": "Q5_0", "q6": "Q6_K"}  # the storage each block format loads losslessly
 Q4_QUANTIZED_STORAGE = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0"})
 
@@ -48,8 +50,8 @@ def check_weight_format(weight_format: str) -> None:
 @dataclass(frozen=True)
 class TensorStorage:
     """How a checkpoint stored its tensors: the storage type per canonical name ("Q4_K", "Q6_K", "F16", "BF16",
-    ...; absent = fp32) and the raw bytes of its Q4_K, Q5_0 and Q6_K tensors ([out, in/256 * 144], [out, in/32 * 22]
-    and [out, in/256 * 210] uint8), which q4, q5 and q6 load losslessly."""
+    ...; absent = fp32) and the raw bytes of its Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 tensors ([out, in/256 * 144 or 210],
+    [out, in/32 * 34, 22 or 18] uint8), which q4, q6, q8 and q5 load losslessly."""
 
     types: dict[str, str] = field(default_factory=dict)
     block_bytes: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -89,6 +91,19 @@ class TensorStorage:
             else:
                 parts.append(([name], fmt))
         return parts if len(parts) > 1 else [(list(names), whole)]
+
+    def exact_int8(self, names: list[str], in_features: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The int8 values [out, in] and fp16 block scales [out, in/32] of the row-concatenated tensors ``names``
+        when the file stores each as Q8_0, Q5_0 or Q4_0 (gguf_int8: q8's values exactly) and keeps its bytes, else
+        None (q8 then requantizes the dequantized weight)."""
+        if not all(self.types.get(name) in INT8_STORAGE and name in self.block_bytes for name in names):
+            return None
+        decoded = [int8_blocks(self.block_bytes[name], self.types[name], self.block_bytes[name].shape[0],
+                               in_features) for name in names]
+        values = torch.cat([part_values for part_values, _ in decoded])
+        if bool((values == -128).any()):  # outside q8's -127..127 (Q8_0 files hold none; a hand-made one might)
+            return None
+        return values, torch.cat([part_scales for _, part_scales in decoded])
 
     def lossless_bytes(self, names: list[str], linear_format: str) -> torch.Tensor | None:
         """The file's blocks of the row-concatenated tensors ``names`` ([out, in/256 * 144 or 210], [out, in/32 * 22]
@@ -141,13 +156,16 @@ class Linear:
 
     @classmethod
     def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str,
-              block_bytes: torch.Tensor | None = None) -> "Linear":
+              block_bytes: torch.Tensor | None = None,
+              exact_int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Linear":
         """weight [out, in] in "q8", "q4", "q5", "q6" or "fp32" (a resolved format, see TensorStorage.linear_format);
         q4, q5 and q6 from ``block_bytes`` (the file's Q4_K, Q5_0 or Q6_K bytes of this weight, lossless) when given,
-        q4 else quantized from weight."""
+        q4 else quantized from weight; q8 from ``exact_int8`` (the file's int8 values and fp16 block scales,
+        TensorStorage.exact_int8, lossless) when given, else quantized from weight."""
         out_features, in_features = weight.shape
         if weight_format == "q8":
-            return cls(dense=None, quantized=quantize_weight(weight), bias=bias)
+            quantized = quantize_weight(weight) if exact_int8 is None else QuantizedWeight.from_int8(*exact_int8)
+            return cls(dense=None, quantized=quantized, bias=bias)
         if weight_format == "q4":
             q4 = (q4_from_q4k_blocks(block_bytes, out_features, in_features) if block_bytes is not None
                   else quantize_q4(weight))

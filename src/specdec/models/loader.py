@@ -49,8 +49,8 @@ class Checkpoint:
 def load_checkpoint(path: str | os.PathLike[str], keep_block_bytes: bool = False) -> Checkpoint:
     """Load a ``.gguf`` file or a Hugging Face directory (config.json + *.safetensors + tokenizer.json).
 
-    keep_block_bytes: also keep a GGUF's Q4_K and Q6_K tensors as their raw bytes (``checkpoint.storage``), from
-    which the q4 and q6 formats load them losslessly."""
+    keep_block_bytes: also keep a GGUF's Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 tensors as their raw bytes
+    (``checkpoint.storage``), from which the q4, q6, q8 and q5 formats load them losslessly."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"no such model file or directory: {path}")
@@ -92,7 +92,7 @@ GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 def load_gguf(path: str | os.PathLike[str], keep_block_bytes: bool = False) -> Checkpoint:
     """Load a GGUF file: config from its metadata, fp32 tensors in canonical names, its tokenizer, and how the
-    file stored each tensor (with the raw bytes of its Q4_K and Q6_K tensors when ``keep_block_bytes``)."""
+    file stored each tensor (with the raw bytes of its block-quantized tensors when ``keep_block_bytes``)."""
     path = Path(path).expanduser()
     gguf_file = read_gguf_file(path)
     metadata = _GGUFMetadata(gguf_file.metadata, path)
@@ -106,16 +106,16 @@ def load_gguf(path: str | os.PathLike[str], keep_block_bytes: bool = False) -> C
 
 
 def _gguf_storage(gguf_file: GGUFFile, config: ModelConfig, path: Path, keep_block_bytes: bool) -> TensorStorage:
-    """Each tensor's GGUF type, and (keep_block_bytes) a copy of the bytes of every 2-D Q4_K and Q6_K tensor,
-    [out, bytes] uint8, with llama's q/k rows unpermuted as the fp32 tensors are (a row permutation: lossless on
-    blocks)."""
+    """Each tensor's GGUF type, and (keep_block_bytes) a copy of the bytes of every 2-D Q4_K, Q6_K, Q8_0, Q5_0 and
+    Q4_0 tensor, [out, bytes] uint8, with llama's q/k rows unpermuted as the fp32 tensors are (a row permutation:
+    lossless on blocks)."""
     storage = TensorStorage()
     for info in gguf_file.tensors:
         name = _canonical_gguf_name(info.name, path)
         type_name = _ggml_type_name(info.ggml_type)
         storage.types[name] = type_name
         if keep_block_bytes and type_name in BLOCK_STORAGE and len(info.shape) == 2:
-            # [out, in/256 * 144 (Q4_K) or 210 (Q6_K)]
+            # [out, in/256 * 144 (Q4_K) or 210 (Q6_K)], [out, in/32 * 34 (Q8_0), 22 (Q5_0) or 18 (Q4_0)]
             storage.block_bytes[name] = torch.from_numpy(np.array(gguf_file.tensor_bytes(info)))
     if config.architecture == "llama":
         _unpermute_llama_qk(storage.block_bytes, config)

@@ -52,7 +52,7 @@ SPLIT_UNITS = {"q8": 32, "q4": 256, "q5": 32, "q6": 256, "fp32": 1}
 # which fails the wait at once, so the timeout only bounds a peer that hangs.
 GROUP_TIMEOUT = timedelta(days=30)
 # (inputs, bytes) of one GGUF block of one row, by type: Q4_K and Q6_K super-blocks, Q5_0 blocks
-STORAGE_BLOCKS = {"Q4_K": (256, 144), "Q5_0": (32, 22), "Q6_K": (256, 210)}
+STORAGE_BLOCKS = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q4_0": (32, 18)}
 
 
 # ---- what each rank holds --------------------------------------------------------------------------------------
@@ -128,8 +128,8 @@ class ShardPlan:
         return tensor
 
     def shard_block_bytes(self, name: str, raw: torch.Tensor, storage_type: str) -> torch.Tensor:
-        """This rank's part of a Q4_K, Q5_0 or Q6_K tensor's raw bytes [out, in/block_inputs * block_bytes]: whole
-        blocks of its rows or columns (the columns fall on blocks: `build` checked it)."""
+        """This rank's part of a block-quantized tensor's raw bytes (STORAGE_BLOCKS) [out, in/block_inputs *
+        block_bytes]: whole blocks of its rows or columns (the columns fall on blocks: `build` checked it)."""
         rows, columns = self.rows_of(name), self.columns_of(name)
         if rows is not None:
             return raw[rows]
@@ -140,7 +140,7 @@ class ShardPlan:
         return raw
 
     def storage(self, storage: TensorStorage) -> TensorStorage:
-        """The checkpoint's storage record with this rank's part of its Q4_K, Q5_0 and Q6_K bytes."""
+        """The checkpoint's storage record with this rank's part of its block-quantized tensors' bytes."""
         shard = lambda name, raw: self.shard_block_bytes(name, raw, storage.types[name])  # noqa: E731
         return TensorStorage(types=storage.types,
                              block_bytes=_ShardedMapping(storage.block_bytes, shard))  # type: ignore

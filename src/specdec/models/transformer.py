@@ -62,7 +62,9 @@ def _linear(tensors: dict[str, torch.Tensor], storage: TensorStorage, names: lis
     for part_names, linear_format in storage.linear_parts(names, tensors[names[0]].shape[1], weight_format):
         weight = torch.cat([tensors[name].float().to(device) for name in part_names])  # [part out, in]
         part_bias = None if bias is None else bias[row : row + weight.shape[0]]
-        parts.append(Linear.build(weight, part_bias, linear_format, storage.lossless_bytes(part_names, linear_format)))
+        exact_int8 = storage.exact_int8(part_names, weight.shape[1]) if linear_format == "q8" else None
+        parts.append(Linear.build(weight, part_bias, linear_format, storage.lossless_bytes(part_names, linear_format),
+                                  exact_int8))
         row += weight.shape[0]
     return parts[0] if len(parts) == 1 else ConcatLinear(tuple(parts))
 
@@ -119,7 +121,11 @@ class Transformer:
             tensors, storage = plan.tensors(tensors), plan.storage(storage)
         embed = tensors["embed_tokens"].float().to(self.device)
         # The embedding table is a gather, not a weight stream: q8 under q4 (and the lm_head it is tied to).
-        self.embed_tokens = Linear.build(embed, None, "fp32" if weight_format == "fp32" else "q8")
+        if weight_format == "fp32":
+            self.embed_tokens = Linear.build(embed, None, "fp32")
+        else:
+            self.embed_tokens = Linear.build(embed, None, "q8",
+                                             exact_int8=storage.exact_int8(["embed_tokens"], embed.shape[1]))
         self.lm_head: Linear | None = None  # the workers of a tensor-parallel group compute no logits
         if self.parallel is None or self.parallel.is_leader:
             if "lm_head" in tensors:
