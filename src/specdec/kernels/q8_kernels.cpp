@@ -20,7 +20,8 @@
 //   csrc/q6_scalar.h       the 6-bit linear (q6, GGUF Q6_K blocks): its layout, reduction order and scalar path
 //   csrc/q6_avx512.h, q6_avx2.h   ... its vector paths (as q4's)
 //   csrc/q5_scalar.h       the 5-bit linear (q5, GGUF Q5_0 blocks): its layout and scalar path, bitwise the int8 linear
-//   csrc/q5_avx512.h, q5_avx2.h, q5_walk.h   ... its unpacking per vector path, and its walk over the int8 linear's tiles
+//   csrc/q5_avx2.h         ... its avx2 path: the int8 linear's walk with a unit decoding the 5-bit values in registers
+//   csrc/q5_avx512.h, q5_walk.h   ... its avx512 path: each tile unpacked into the vnni layout, then the int8 linear's walk
 //   csrc/block_walk.h      the walk of the q4 and q6 linears over tiles and row blocks, for every vector path
 //   csrc/linear.h, q4_linear.h, q6_linear.h, q5_linear.h, attention.h, rowwise.h   the entry points
 // This file includes them in order (the vector paths inside their own namespace and target) and binds them.
@@ -68,7 +69,6 @@ namespace avx2 {
 #include "csrc/linear_avx2.h"
 #include "csrc/linear_walk.h"
 #include "csrc/q5_avx2.h"
-#include "csrc/q5_walk.h"
 #include "csrc/q4_avx2.h"
 #include "csrc/q6_avx2.h"
 #include "csrc/block_walk.h"
@@ -83,7 +83,6 @@ namespace avx2_vnni {
 #include "csrc/linear_avx2.h"
 #include "csrc/linear_walk.h"
 #include "csrc/q5_avx2.h"
-#include "csrc/q5_walk.h"
 #include "csrc/q4_avx2.h"
 #include "csrc/q6_avx2.h"
 #include "csrc/block_walk.h"

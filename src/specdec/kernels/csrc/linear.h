@@ -46,9 +46,11 @@ inline void scatter_unit(const int8_t* q, int8_t* qu) {
 }
 
 // Quantize activation rows [m0, m1) into the packed layout, one unit at a time.
-// signed_dot (the avx2 path): each lane's accumulator start also holds 128 times the sum of its activation bytes.
+// lane_sum_factor: each lane's accumulator start also holds this times the sum of its activation bytes (0 where the
+// weights are the unsigned bytes q + 128; 128 on the avx2 path's signed dot, linear_avx2.h; 112 where they are
+// q5's v = q + 16, q5_avx2.h): every path then reaches the same int32 per lane.
 void quantize_rows(QuantizeUnit quantize_unit, const float* x, int64_t K, const Layout& L, int64_t m0, int64_t m1,
-                   int8_t* xq, int32_t* corr, float* xs, bool signed_dot) {
+                   int8_t* xq, int32_t* corr, float* xs, int32_t lane_sum_factor) {
   const int64_t ldc = L.U * 16;
   alignas(64) int8_t q[16 * 32];
   float d[16];
@@ -75,12 +77,12 @@ void quantize_rows(QuantizeUnit quantize_unit, const float* x, int64_t K, const 
         case 4: scatter_unit<4>(q, qu); break;
         default: scatter_unit<8>(q, qu); break;
       }
-      if (signed_dot)
+      if (lane_sum_factor)
         for (int lane = 0; lane < 16; ++lane) {
           int32_t lane_sum = 0;
           for (int j = 0; j < nb / 2; ++j)
             for (int b = 0; b < 4; ++b) lane_sum += qu[j * 64 + lane * 4 + b];
-          cr[u * 16 + lane] += 128 * lane_sum;
+          cr[u * 16 + lane] += lane_sum_factor * lane_sum;
         }
     }
   }
@@ -128,14 +130,14 @@ inline QuantizeUnit pick_quantize_unit(Isa isa) {
   return quantize_unit_scalar;
 }
 
-// The body the linears on the vnni layout share (q8_linear, and q5_linear over its unpacked tiles): the activations
-// quantized into the layout, then weight rows in tiles of 4 (of tile_bytes as stored), handed out in chunks, each
-// chunk walked for every m-block of ~96 KiB of activations: block(isa, avx2_vnni, xq, corr, xs, L, y, n0, n1, m0, m1)
-// computes weight rows [n0, n1) x activation rows [m0, m1) on the path isa (avx2_vnni: the avx2 path's AVX-VNNI
-// variant).
-template <class Block>
+// The body the linears on the vnni layout share (q8_linear, q5_linear): the activations quantized into the layout
+// (lane_sum_factor(isa, avx2_vnni): see quantize_rows), then weight rows in tiles of 4 (of tile_bytes as stored),
+// handed out in chunks, each chunk walked for every m-block of ~96 KiB of activations: block(isa, avx2_vnni, xq, corr,
+// xs, L, y, n0, n1, m0, m1) computes weight rows [n0, n1) x activation rows [m0, m1) on the path isa (avx2_vnni: the
+// avx2 path's AVX-VNNI variant).
+template <class Factor, class Block>
 torch::Tensor vnni_layout_linear(const LinearInputs& in, int64_t N, int64_t Kp, int64_t tile_bytes,
-                                 const Block& block) {
+                                 const Factor& lane_sum_factor, const Block& block) {
   const torch::Tensor& x = in.x;
   const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
@@ -152,8 +154,9 @@ torch::Tensor vnni_layout_linear(const LinearInputs& in, int64_t N, int64_t Kp, 
   // the avx2 path's dots: vpdpbusd where the CPU has AVX-VNNI, else the signed dot (see linear_avx2.h)
   const bool avx2_vnni = isa == Isa::avx2 && cpu_has_avx_vnni();
   const QuantizeUnit quantize_unit = pick_quantize_unit(isa);
+  const int32_t factor = lane_sum_factor(isa, avx2_vnni);
   parallel_rows(M, M * K, [&](int64_t a, int64_t b) {
-    quantize_rows(quantize_unit, xp, K, L, a, b, xq, corr, xs, isa == Isa::avx2 && !avx2_vnni);
+    quantize_rows(quantize_unit, xp, K, L, a, b, xq, corr, xs, factor);
   });
   float* yp = y.data_ptr<float>();
 
@@ -195,9 +198,12 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
   const uint8_t* W = qweight.data_ptr<uint8_t>();
   const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
   const float* bp = in.bias.defined() ? in.bias.data_ptr<float>() : nullptr;
-  return vnni_layout_linear(in, N, Kp, 4 * Kp, [&](Isa isa, bool avx2_vnni, const int8_t* xq, const int32_t* corr,
-                                                   const float* xs, const Layout& L, float* yp, int64_t n0,
-                                                   int64_t n1, int64_t m0, int64_t m1) {
+  // the avx2 path's signed dot (not its AVX-VNNI variant) starts each lane 128 times its activation sum higher
+  const auto lane_sum_factor = [](Isa isa, bool avx2_vnni) { return isa == Isa::avx2 && !avx2_vnni ? 128 : 0; };
+  return vnni_layout_linear(in, N, Kp, 4 * Kp, lane_sum_factor, [&](Isa isa, bool avx2_vnni, const int8_t* xq,
+                                                                     const int32_t* corr, const float* xs,
+                                                                     const Layout& L, float* yp, int64_t n0,
+                                                                     int64_t n1, int64_t m0, int64_t m1) {
     if (at_least(isa, Isa::avx512))
       avx512::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
     else if (avx2_vnni)

@@ -34,6 +34,37 @@ inline __m256 unit_scales(const uint16_t* ws, int h) {
   }
 }
 
+// The int32 accumulators of NP weight rows x MR activation rows for lanes 8h .. 8h + 7 of unit u: each row's
+// lane corrections (quantize_rows).
+template <int NP, int MR>
+__attribute__((always_inline)) inline void start_lanes(const int32_t* corr, int64_t ldc, int64_t u, int h,
+                                                       __m256i (&ia)[NP][MR]) {
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + m * ldc + u * 16 + 8 * h));
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) ia[q][m] = c;
+  }
+}
+
+// The scale epilogue of lanes 8h .. 8h + 7 of unit u (NB blocks from b0) for weight rows n0 .. n0 + NP - 1:
+// fa = fma(float(ia), xscale * wscale, fa), lane by lane as unit() of the AVX-512 path.
+template <int NR, int NP, int MR, int NB>
+__attribute__((always_inline)) inline void add_scaled_lanes(const __m256i (&ia)[NP][MR], const uint16_t* wscale,
+                                                            int64_t ldw, int64_t b0, const float* xs, int64_t ldc,
+                                                            int64_t u, int h, int n0, vf (&fa)[NR][MR]) {
+#pragma GCC unroll 2
+  for (int q = 0; q < NP; ++q) {
+    const __m256 wsv = unit_scales<NB>(wscale + (n0 + q) * ldw + b0, h);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xs + m * ldc + u * 16 + 8 * h), wsv);
+      __m256& acc = lanes_half(fa[n0 + q][m], h);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[q][m]), s, acc);
+    }
+  }
+}
+
 // One unit of NB blocks starting at block b0 (unit index u), both lane halves: the exact int32 dots of its
 // blocks per lane, then one scale epilogue adds them into fa, lane by lane as unit() of the AVX-512 path.
 template <int NR, int MR, int NB>
@@ -60,12 +91,7 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
 #pragma GCC unroll 2
     for (int n0 = 0; n0 < NR; n0 += NP) {
       __m256i ia[NP][MR];
-#pragma GCC unroll 4
-      for (int m = 0; m < MR; ++m) {
-        const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + m * ldc + u * 16 + 8 * h));
-#pragma GCC unroll 2
-        for (int q = 0; q < NP; ++q) ia[q][m] = c;
-      }
+      start_lanes<NP, MR>(corr, ldc, u, h, ia);
 #pragma GCC unroll 8
       for (int j = 0; j < NB / 2; ++j) {
         __m256i w[NP], w_abs[NP];
@@ -93,16 +119,7 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
           }
         }
       }
-#pragma GCC unroll 2
-      for (int q = 0; q < NP; ++q) {
-        const __m256 wsv = unit_scales<NB>(wscale + (n0 + q) * ldw + b0, h);
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xs + m * ldc + u * 16 + 8 * h), wsv);
-          __m256& acc = lanes_half(fa[n0 + q][m], h);
-          acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[q][m]), s, acc);
-        }
-      }
+      add_scaled_lanes<NR, NP, MR, NB>(ia, wscale, ldw, b0, xs, ldc, u, h, n0, fa);
     }
   }
 }

@@ -1,7 +1,9 @@
 // The walk of the int8 linear over the "vnni" layout, the same for every vector path: weight rows in tiles of 4
 // (the last N % 4 as single rows), each tile over blocks of up to kTileRows activation rows, wide tiles in K slices.
 // Included inside namespace avx512 and namespace avx2 after their linear_*.h, which define unit<NR, MR, NB> (one
-// unit of K into the accumulators), finish_tile<NR, MR> (the tile's sums) and kTileRows.
+// unit of K into the accumulators), finish_tile<NR, MR> (the tile's sums) and kTileRows; and again inside
+// namespace q5_units of q5_avx2.h, with q5's own unit. The walk calls its functions as (f)(...): without
+// argument-dependent lookup, which would also find the enclosing namespace's walk through the argument types.
 
 // NR weight rows x MR activation rows over the units [u0, u1) of K. The accumulators start at zero when u0 == 0
 // and from partial[n * MR ... ] (the sums of the units before u0, stored exactly) otherwise; when u1 == L.U the
@@ -34,14 +36,14 @@ __attribute__((always_inline)) inline void tile(const uint8_t* W, const int8_t* 
     for (int m = 0; m < MR; ++m) fa[n][m] = (!Sliced || u0 == 0) ? zero() : partial[n * MR + m];
 
   for (int64_t u = u0; u < std::min(u1, L.G); ++u)
-    unit<NR, MR, 16>(W, X, corr, xs, Kp, ldc, ldw, u, u * 16, wscale, pf, fa);
+    (unit<NR, MR, 16>)(W, X, corr, xs, Kp, ldc, ldw, u, u * 16, wscale, pf, fa);
   for (int64_t t = 0; t < L.T; ++t) {
     const int64_t u = L.G + t;
     if (u < u0 || u >= u1) continue;
     switch (L.tail_nb[t]) {
-      case 8: unit<NR, MR, 8>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
-      case 4: unit<NR, MR, 4>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
-      default: unit<NR, MR, 2>(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
+      case 8: (unit<NR, MR, 8>)(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
+      case 4: (unit<NR, MR, 4>)(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
+      default: (unit<NR, MR, 2>)(W, X, corr, xs, Kp, ldc, ldw, u, L.b0(u), wscale, pf, fa); break;
     }
   }
   if (Sliced && u1 < L.U) {
@@ -64,9 +66,9 @@ inline void tile_mr(int mr, const uint8_t* W, const int8_t* X, const int32_t* co
   const auto rows = [&](auto rows_constant) {
     constexpr int R = decltype(rows_constant)::value;
     if (partial != nullptr)
-      tile<NR, R, true>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial);
+      (tile<NR, R, true>)(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial);
     else
-      tile<NR, R, false>(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr);
+      (tile<NR, R, false>)(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr);
   };
   switch (mr) {
     case 1: rows(std::integral_constant<int, 1>{}); break;
@@ -83,7 +85,7 @@ inline void plain_row(const uint8_t* Wr, const int8_t* X, const int32_t* corr, c
   constexpr int MR = kTileRows;
   for (int64_t m = m0; m < m1; m += MR) {
     const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-    tile_mr<1>(mr, Wr, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale, bias, y + m * N, N);
+    (tile_mr<1>)(mr, Wr, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale, bias, y + m * N, N);
   }
 }
 
@@ -107,7 +109,7 @@ inline void full_tile(const uint8_t* Wt, const uint8_t* pf, const int8_t* X, con
     const int64_t u1 = u0 + slice_units >= L.G ? L.U : u0 + slice_units;
     for (int64_t m = m0; m < m1; m += MR) {
       const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
-      tile_mr<NR>(mr, Wt, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale, bias, y + m * N, N, pf, u0, u1,
+      (tile_mr<NR>)(mr, Wt, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale, bias, y + m * N, N, pf, u0, u1,
                   slice_units < L.U ? partial + (m - m0) * NR : nullptr);
     }
     if (u1 == L.U) break;
@@ -124,10 +126,10 @@ void linear_block(const uint8_t* W, const int8_t* X, const int32_t* corr, const 
     const int64_t nr = std::min<int64_t>(NR, n1 - n);
     if (nr < NR) {  // the last N % 4 rows are plain rows
       for (int64_t i = n; i < n + nr; ++i)
-        plain_row(W + i * L.Kp, X, corr, xs, L, wscale + i * ldw, bias ? bias + i : nullptr, y + i, N, m0, m1);
+        (plain_row)(W + i * L.Kp, X, corr, xs, L, wscale + i * ldw, bias ? bias + i : nullptr, y + i, N, m0, m1);
       continue;
     }
     const uint8_t* pf = n + 2 * NR <= n1 ? W + (n + NR) * L.Kp : nullptr;
-    full_tile(W + n * L.Kp, pf, X, corr, xs, L, wscale + n * ldw, bias ? bias + n : nullptr, y + n, N, m0, m1);
+    (full_tile)(W + n * L.Kp, pf, X, corr, xs, L, wscale + n * ldw, bias ? bias + n : nullptr, y + n, N, m0, m1);
   }
 }

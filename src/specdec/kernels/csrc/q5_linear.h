@@ -16,9 +16,12 @@ torch::Tensor q5_linear(const torch::Tensor& x_in, const torch::Tensor& quants, 
   const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
   const float* bp = in.bias.defined() ? in.bias.data_ptr<float>() : nullptr;
   const int64_t tile_bytes = 4 * (Kp / 64 * kQ5ChunkBytes + Kp / 32 * 2);
-  return vnni_layout_linear(in, N, Kp, tile_bytes, [&](Isa isa, bool avx2_vnni, const int8_t* xq, const int32_t* corr,
-                                                       const float* xs, const Layout& L, float* yp, int64_t n0,
-                                                       int64_t n1, int64_t m0, int64_t m1) {
+  // the avx2 paths multiply the 5-bit values v = q + 16 themselves (q5_avx2.h), the others q8's bytes q + 128
+  const auto lane_sum_factor = [](Isa isa, bool) { return isa == Isa::avx2 ? 112 : 0; };
+  return vnni_layout_linear(in, N, Kp, tile_bytes, lane_sum_factor, [&](Isa isa, bool avx2_vnni, const int8_t* xq,
+                                                                         const int32_t* corr, const float* xs,
+                                                                         const Layout& L, float* yp, int64_t n0,
+                                                                         int64_t n1, int64_t m0, int64_t m1) {
     if (at_least(isa, Isa::avx512))  // and amx: q5 has no AMX tile layout
       avx512::q5_linear_block(W5, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
     else if (avx2_vnni)
