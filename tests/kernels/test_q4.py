@@ -19,14 +19,6 @@ from specdec.kernels import ops, q4
 WIDTHS = (256, 512, 768, 1024, 1536, 2048, 8960)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 def _random_q4k_bytes(out_features: int, in_features: int, seed: int) -> np.ndarray:
     """Valid random Q4_K super-blocks [out, in/256 * 144]: any scale and quant bytes, finite fp16 d and dmin
     (normal and subnormal, some zero)."""

@@ -15,14 +15,6 @@ WIDTHS = (32, 64, 96, 640, 896, 2880, 4160)
 ROWS = (1, 2, 3, 4, 5, 8, 13, 40, 130)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 def _random_q5_0_bytes(out_features: int, in_features: int, seed: int) -> np.ndarray:
     """Valid random Q5_0 blocks [out, in/32 * 22]: any qh and qs bytes, finite fp16 d (normal, subnormal, zero)."""
     rng = np.random.default_rng(seed)

@@ -18,14 +18,6 @@ from specdec.kernels import ops, q6
 WIDTHS = (256, 512, 768, 1536, 4864, 8960)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 def _random_q6k_bytes(out_features: int, in_features: int, seed: int) -> np.ndarray:
     """Valid random Q6_K super-blocks [out, in/256 * 210]: any quant and scale bytes, finite fp16 d (normal and
     subnormal, some zero)."""

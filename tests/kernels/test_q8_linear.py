@@ -16,14 +16,6 @@ SHAPES = [(576, 37), (640, 256), (896, 130), (960, 41), (1536, 67), (2048, 64), 
           (100, 9)]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(params=ops.Q8_LAYOUTS)
 def layout(request):
     return request.param
