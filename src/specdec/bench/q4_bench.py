@@ -1,6 +1,6 @@
 """Micro-benchmark of the q4, q5 and q6 linears against the q8 linear, per kernel path, on model shapes.
 
-    python -m specdec.bench.q4_bench [--threads 2] [--ms 1,2,4,8,16] [--isas avx2,avx512] [--hot]
+    python -m specdec.bench.q4_bench [--threads 2] [--ms 1,2,4,8,16] [--isas avx2,avx512] [--hot] [--models Gemma,0.5B]
 
 Per shape (in -> out), kernel path and format: the median wall time of one call at each row count M, T(8)/T(1),
 and the weight bytes per weight. The q4 and q8 calls of one path run interleaved in the same rounds (so that the
@@ -108,6 +108,8 @@ def main(argv=None) -> None:
     parser.add_argument("--isas", default="", help="kernel paths to compare (default: every vector path the CPU has)")
     parser.add_argument("--hot", action="store_true", help="reuse one weight copy (it may stay cached)")
     parser.add_argument("--skip-search-error", action="store_true")
+    parser.add_argument("--models", default="", help="only the shapes of models whose name contains one of these "
+                        "comma-separated strings (default: every shape)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     ops.build_kernels()
@@ -119,7 +121,10 @@ def main(argv=None) -> None:
               + " ".join(f"{'M=' + str(m):>8}" for m in ms) + f" {'T8/T1':>6}  q8 time / this format's per M")
     print(header)
     print("-" * len(header))
+    wanted = [name for name in args.models.split(",") if name]
     for model, in_features, out_features in SHAPES:
+        if wanted and not any(name in model for name in wanted):
+            continue
         for line in bench_shape(model, in_features, out_features, isas, ms, cold=not args.hot):
             print(line, flush=True)
     if not args.skip_search_error:
