@@ -19,7 +19,8 @@ from specdec.kernels.q5 import Q5Weight, q5_from_q5_0_blocks, q5_linear, q5_supp
 from specdec.kernels.q6 import Q6Weight, q6_from_q6k_blocks, q6_linear, q6_supports
 
 # auto: q4 where the file stores a layer as Q4_K, q6 where it stores it as Q6_K (both lossless: the file's blocks,
-#       repacked; 4.6 and 6.6 bits a weight), q8 elsewhere (the default; see docs/kernels.md, "Weight formats").
+#       repacked; 4.6 and 6.6 bits a weight), q8 elsewhere (the default; see docs/kernels.md, "Weight formats"):
+#       with the file's own int8 values and scales where it stores Q8_0 / Q5_0 / Q4_0 (lossless), else requantized.
 # q4:   as auto, and also quantizes to 4 bits at load what the file stores as fp32 / fp16 / bf16 / Q4_0 / Q4_1 /
 #       Q5_0 (the type llama.cpp's Q4_K_M files use instead of Q4_K where a width is no multiple of 256), any width
 #       (padded).
@@ -27,9 +28,9 @@ from specdec.kernels.q6 import Q6Weight, q6_from_q6k_blocks, q6_linear, q6_suppo
 #       layer gets a q4 copy beside the q8 embedding table): the fewest bytes a token, for draft models, whose
 #       weights choose the proposals, never the output.
 # q5:   as auto, and q5 where the file stores a layer as Q5_0 (lossless, 5.5 bits a weight: the type Q4_K_M files use
-#       where a width is no multiple of 256) instead of q8 (which requantizes it): the file's values exactly, a third
-#       fewer bytes for those layers; its kernel unpacks each tile before the int8 linear's code runs over it, so
-#       verify blocks of several rows cost more on AVX-512 (docs/kernels.md, "Weight formats").
+#       where a width is no multiple of 256) instead of auto's q8 of the same values: auto's output bit for bit, in a
+#       third fewer bytes for those layers; faster at every row count on the avx2 path, at 1-2 rows on avx512 but
+#       slower there from 8 rows (verify blocks), so not auto's choice (docs/kernels.md, "The q5 weight format").
 # q8:   every layer int8.   fp32: the reference (torch's matmul, not row invariant).
 WEIGHT_FORMATS = ("auto", "q4", "q4-all", "q5", "q8", "fp32")
 Q4_LOSSLESS_STORAGE = frozenset({"Q4_K"})
