@@ -12,10 +12,12 @@ bits each (the layout is spelled out in ``csrc/q5_scalar.h``):
   [8 B]``; the last ``out % 4`` rows plainly (nibbles, then fifth bits): ``quants[i]`` is not row ``i``.
 * ``scale`` fp16 ``[out, Kp/32]``, natural row order, one per block of 32 inputs (0 for padding blocks).
 
-The kernel unpacks each tile of 4 rows into the vnni layout in L1 and runs the int8 linear's own code over it, so a
-q5 linear's output is bitwise q8_linear's on the same weights, on every kernel path; a forward streams 5.5 bits a
-weight of such a layer instead of 8.5. Qwen2.5 and Gemma 3 Q4_K_M files store their layers of widths that are no
-multiple of 256 (the attention and gate/up projections of Gemma-3-270M and Qwen2.5-Coder-0.5B) as Q5_0.
+The kernel runs the int8 linear's own walk over q5's tiles: avx512 and scalar unpack each tile of 4 rows into the
+vnni layout in L1 first, avx2 decodes each weight vector in registers and multiplies the unsigned 5-bit values, each
+lane started so that it ends at q8's int32. So a q5 linear's output is bitwise q8_linear's on the same weights, on
+every kernel path; a forward streams 5.5 bits a weight of such a layer instead of 8.5. Qwen2.5 and Gemma 3 Q4_K_M
+files store their layers of widths that are no multiple of 256 (the attention and gate/up projections of
+Gemma-3-270M and Qwen2.5-Coder-0.5B) as Q5_0.
 """
 
 from __future__ import annotations

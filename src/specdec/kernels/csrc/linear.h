@@ -205,11 +205,11 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& qweight,
                                                                      const Layout& L, float* yp, int64_t n0,
                                                                      int64_t n1, int64_t m0, int64_t m1) {
     if (at_least(isa, Isa::avx512))
-      avx512::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+      avx512::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1, Kp);
     else if (avx2_vnni)
-      avx2_vnni::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+      avx2_vnni::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1, Kp);
     else if (isa == Isa::avx2)
-      avx2::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+      avx2::linear_block(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1, Kp);
     else
       linear_block_scalar(W, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
   });

@@ -116,20 +116,22 @@ inline void full_tile(const uint8_t* Wt, const uint8_t* pf, const int8_t* X, con
   }
 }
 
-// process weight rows [n0, n1) x activation rows [m0, m1)
+// process weight rows [n0, n1) x activation rows [m0, m1); row_bytes: the bytes a weight row is stored in (Kp for
+// q8's vnni layout, Kp / 64 * 40 for q5's), so that tile n starts at W + n * row_bytes
 void linear_block(const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
                   const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
-                  int64_t m0, int64_t m1) {
+                  int64_t m0, int64_t m1, int64_t row_bytes) {
   constexpr int NR = 4;
   const int64_t ldw = L.Kp / 32;
   for (int64_t n = n0; n < n1; n += NR) {
     const int64_t nr = std::min<int64_t>(NR, n1 - n);
     if (nr < NR) {  // the last N % 4 rows are plain rows
       for (int64_t i = n; i < n + nr; ++i)
-        (plain_row)(W + i * L.Kp, X, corr, xs, L, wscale + i * ldw, bias ? bias + i : nullptr, y + i, N, m0, m1);
+        (plain_row)(W + i * row_bytes, X, corr, xs, L, wscale + i * ldw, bias ? bias + i : nullptr, y + i, N, m0,
+                    m1);
       continue;
     }
-    const uint8_t* pf = n + 2 * NR <= n1 ? W + (n + NR) * L.Kp : nullptr;
-    (full_tile)(W + n * L.Kp, pf, X, corr, xs, L, wscale + n * ldw, bias ? bias + n : nullptr, y + n, N, m0, m1);
+    const uint8_t* pf = n + 2 * NR <= n1 ? W + (n + NR) * row_bytes : nullptr;
+    (full_tile)(W + n * row_bytes, pf, X, corr, xs, L, wscale + n * ldw, bias ? bias + n : nullptr, y + n, N, m0, m1);
   }
 }

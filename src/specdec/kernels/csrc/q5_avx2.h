@@ -1,6 +1,7 @@
 // The q5 linear (see q5_scalar.h for the layout), AVX2: the int8 linear's walk (linear_walk.h, included again in
 // namespace q5_units with q5's own unit) over q5's tiles, each 5-bit weight vector decoded in registers where it is
-// used. Included inside namespace avx2 (and avx2_vnni) after linear_walk.h.
+// used: q5_units::linear_block with q5's row bytes. Included inside namespace avx2 (and avx2_vnni) after
+// linear_walk.h.
 //
 // The integer dots take the unsigned 5-bit values v = q + 16 (0..31) as they are: vpmaddubsw(v, x) adds adjacent
 // products into int16, |pair| <= 2 * 31 * 127 = 7874, and two chunks' pairs add up in int16 (15748) before one
@@ -16,7 +17,6 @@ namespace q5_units {
 // nibble bytes (h = 0) or their high nibbles (h = 1), with the fifth bits of its 8 bit-plane bytes at bit 4 (byte
 // i = 8 k + j of the chunk takes bit k of bit-plane byte j: a left shift by 4 - k in the first half, a right shift by
 // k - 4 in the second, per 32-bit lane; no other byte's bit lands on bit 4).
-template <int NR>
 __attribute__((always_inline)) inline __m256i q5_vector(const uint8_t* nibbles, const uint8_t* fifth_bits, int h) {
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F), fifth_bit = _mm256_set1_epi8(0x10);
   const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nibbles));
@@ -64,7 +64,7 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
         for (int q = 0; q < NP; ++q)
 #pragma GCC unroll 2
           for (int s = 0; s < 2 && j + s < NB / 2; ++s)
-            v[q][s] = q5_vector<NR>(nibbles + ((j + s) * NR + n0 + q) * 32, fifth_bits + ((j + s) * NR + n0 + q) * 8, h);
+            v[q][s] = q5_vector(nibbles + ((j + s) * NR + n0 + q) * 32, fifth_bits + ((j + s) * NR + n0 + q) * 8, h);
 #pragma GCC unroll 4
         for (int m = 0; m < MR; ++m) {
           const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * Kp + j * 64 + 32 * h));
@@ -90,27 +90,8 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
   }
 }
 
-// the int8 linear's walk with this unit: tile, tile_mr, plain_row and full_tile over q5 tiles
+// the int8 linear's walk with this unit: linear_block (called with q5's row bytes), full_tile, plain_row, tile_mr and
+// tile over q5 tiles
 #include "linear_walk.h"
 
 }  // namespace q5_units
-
-// Weight rows [n0, n1) x activation rows [m0, m1); n0 a multiple of 4. Every full tile prefetches the next one.
-void q5_linear_block(const uint8_t* W5, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
-                     const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t n0, int64_t n1,
-                     int64_t m0, int64_t m1) {
-  constexpr int NR = 4;
-  const int64_t row_bytes = L.Kp / 64 * kQ5ChunkBytes, ldw = L.Kp / 32;
-  for (int64_t n = n0; n < n1; n += NR) {
-    const int64_t nr = std::min<int64_t>(NR, n1 - n);
-    if (nr < NR) {  // the last N % 4 rows are plain rows
-      for (int64_t i = n; i < n + nr; ++i)
-        q5_units::plain_row(W5 + i * row_bytes, X, corr, xs, L, wscale + i * ldw, bias ? bias + i : nullptr, y + i,
-                            N, m0, m1);
-      continue;
-    }
-    const uint8_t* pf = n + 2 * NR <= n1 ? W5 + (n + NR) * row_bytes : nullptr;
-    q5_units::full_tile(W5 + n * row_bytes, pf, X, corr, xs, L, wscale + n * ldw, bias ? bias + n : nullptr, y + n,
-                        N, m0, m1);
-  }
-}

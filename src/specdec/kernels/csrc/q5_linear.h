@@ -1,5 +1,6 @@
 // The q5 linear's entry point (see q5_scalar.h for the layout): checks, then the int8 linear's activation
-// quantization, threading and tiles (vnni_layout_linear), each tile unpacked from 5 bits on the path the call runs.
+// quantization, threading and tiles (vnni_layout_linear), on the path the call runs: avx512 and scalar unpack each
+// tile (q5_walk.h, q5_scalar.h), avx2 decodes in registers (q5_avx2.h).
 
 torch::Tensor q5_linear(const torch::Tensor& x_in, const torch::Tensor& quants, const torch::Tensor& wscale,
                         const c10::optional<torch::Tensor>& bias_in, int64_t in_features) {
@@ -15,7 +16,8 @@ torch::Tensor q5_linear(const torch::Tensor& x_in, const torch::Tensor& quants, 
   const uint8_t* W5 = quants.data_ptr<uint8_t>();
   const uint16_t* ws = reinterpret_cast<const uint16_t*>(wscale.data_ptr<at::Half>());
   const float* bp = in.bias.defined() ? in.bias.data_ptr<float>() : nullptr;
-  const int64_t tile_bytes = 4 * (Kp / 64 * kQ5ChunkBytes + Kp / 32 * 2);
+  const int64_t row_bytes = Kp / 64 * kQ5ChunkBytes;
+  const int64_t tile_bytes = 4 * (row_bytes + Kp / 32 * 2);
   // the avx2 paths multiply the 5-bit values v = q + 16 themselves (q5_avx2.h), the others q8's bytes q + 128
   const auto lane_sum_factor = [](Isa isa, bool) { return isa == Isa::avx2 ? 112 : 0; };
   return vnni_layout_linear(in, N, Kp, tile_bytes, lane_sum_factor, [&](Isa isa, bool avx2_vnni, const int8_t* xq,
@@ -25,9 +27,9 @@ torch::Tensor q5_linear(const torch::Tensor& x_in, const torch::Tensor& quants, 
     if (at_least(isa, Isa::avx512))  // and amx: q5 has no AMX tile layout
       avx512::q5_linear_block(W5, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
     else if (avx2_vnni)
-      avx2_vnni::q5_linear_block(W5, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+      avx2_vnni::q5_units::linear_block(W5, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1, row_bytes);
     else if (isa == Isa::avx2)
-      avx2::q5_linear_block(W5, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
+      avx2::q5_units::linear_block(W5, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1, row_bytes);
     else
       q5_linear_block_scalar(W5, xq, corr, xs, L, ws, bp, yp, N, n0, n1, m0, m1);
   });

@@ -11,9 +11,11 @@
 // at whole 32- and 8-byte steps, none across a cache line. Decoding is u[i] = ((v[i] & 15) | fifth bit << 4) + 112.
 // The scales are the int8 linear's, fp16 [N, Kp/32].
 //
-// The kernel unpacks each tile into the vnni layout's bytes (in L1) and walks it with the int8 linear's own code, so
-// every output element is bitwise the int8 linear's on the same weights, on every path (the scalar one below, avx2,
-// avx512), whatever the rows of the call or the threads; the bytes streamed per weight are 5.5 bits instead of 8.5.
+// The scalar path (below) and the avx512 one (q5_walk.h) unpack each tile into the vnni layout's bytes (in L1) and
+// walk it with the int8 linear's own code; the avx2 path runs that walk with a unit that decodes in registers and
+// reaches the same int32 per lane (q5_avx2.h). So every output element is bitwise the int8 linear's on the same
+// weights, on every path, whatever the rows of the call or the threads; the bytes streamed per weight are 5.5 bits
+// instead of 8.5.
 // The amx path runs the avx512 code (q5 has no AMX tile layout).
 
 constexpr int64_t kQ5ChunkBytes = 40;  // bytes per 64 weights: 32 of nibbles, 8 of fifth bits

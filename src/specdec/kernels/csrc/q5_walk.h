@@ -1,7 +1,7 @@
-// The q5 linear's walk (see q5_scalar.h), the same for every vector path: each tile of 4 weight rows (or plain row)
-// unpacked by the path's q5_unpack into the vnni layout's bytes, then walked by the int8 linear's full_tile and
-// plain_row (linear_walk.h) over every activation row block. Included inside namespace avx512, avx2 and avx2_vnni
-// after linear_walk.h and the path's q5_*.h.
+// The q5 linear's avx512 walk (see q5_scalar.h): each tile of 4 weight rows (or plain row) unpacked by q5_unpack
+// (q5_avx512.h) into the vnni layout's bytes, then walked by the int8 linear's full_tile and plain_row
+// (linear_walk.h) over every activation row block. Included inside namespace avx512 after linear_walk.h and
+// q5_avx512.h (the amx path runs it too; avx2 decodes in registers instead, q5_avx2.h).
 
 // Tiles ahead of the one unpacked that its unpacking prefetches into L2 (one line per chunk): measured against 4 and
 // 8 on Zen 4, and against none, which made a call 1.2-2x slower.
