@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
@@ -109,3 +110,20 @@ def write_tiny_qwen2_dir(directory: Path, num_layers: int = 2, seed: int = 0) ->
                          tie_word_embeddings=True, bos_token_id=256, eos_token_id=257, initializer_range=0.3)
     Qwen2ForCausalLM(config).save_pretrained(directory)
     return write_tiny_tokenizer(directory)
+
+
+def random_int8_blocks(storage_type: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """Valid random GGUF blocks of an int8 type (Q8_0, Q5_0, Q4_0) [out, in/32 * block bytes]: any quant bytes (Q8_0's
+    values in -127..127, as llama.cpp's quantizer writes them), finite fp16 scales (normal, subnormal, zero)."""
+    from specdec.kernels.gguf_int8 import BLOCK_BYTES
+
+    rng = np.random.default_rng(seed)
+    count = out_features * in_features // 32
+    blocks = rng.integers(0, 256, size=(count, BLOCK_BYTES[storage_type]), dtype=np.uint8)
+    if storage_type == "Q8_0":
+        blocks[:, 2:] = rng.integers(-127, 128, size=(count, 32)).astype(np.int8).view(np.uint8)
+    scale = (rng.standard_normal(count) * 1e-2).astype(np.float16)
+    scale[::7] = np.float16(3e-7)  # subnormal
+    scale[::13] = 0.0
+    blocks[:, 0:2] = scale.view(np.uint8).reshape(count, 2)
+    return blocks.reshape(out_features, -1)

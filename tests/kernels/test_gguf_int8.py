@@ -7,33 +7,21 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from specdec.kernels import QuantizedWeight
-from specdec.kernels.gguf_int8 import BLOCK_BYTES, int8_blocks
-
-
-def random_blocks(storage_type: str, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
-    """Valid random blocks [out, in/32 * block bytes]: any quant bytes, finite fp16 scales (normal, subnormal, zero)."""
-    rng = np.random.default_rng(seed)
-    count = out_features * in_features // 32
-    blocks = rng.integers(0, 256, size=(count, BLOCK_BYTES[storage_type]), dtype=np.uint8)
-    scale = (rng.standard_normal(count) * 1e-2).astype(np.float16)
-    scale[::7] = np.float16(3e-7)
-    scale[::13] = 0.0
-    blocks[:, 0:2] = scale.view(np.uint8).reshape(count, 2)
-    return blocks.reshape(out_features, -1)
+from specdec.kernels.gguf_int8 import int8_blocks
+from tiny_models import random_int8_blocks
 
 
 @pytest.mark.parametrize("storage_type", ["Q8_0", "Q5_0", "Q4_0"])
 @pytest.mark.parametrize("in_features", [32, 96, 896])
 def test_values_times_scales_are_gguf_dequantization(storage_type, in_features):
-    raw = random_blocks(storage_type, 5, in_features, seed=in_features)
+    raw = random_int8_blocks(storage_type, 5, in_features, seed=in_features)
     values, scales = int8_blocks(raw, storage_type, 5, in_features)
     expected = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[storage_type])).view(5, in_features)
     dequantized = values.float() * scales.float().repeat_interleave(32, dim=1)
     assert torch.equal(dequantized, expected)
-    low, high = {"Q8_0": (-128, 127), "Q5_0": (-16, 15), "Q4_0": (-8, 7)}[storage_type]
+    low, high = {"Q8_0": (-127, 127), "Q5_0": (-16, 15), "Q4_0": (-8, 7)}[storage_type]
     assert int(values.min()) >= low and int(values.max()) <= high
-    if storage_type != "Q8_0":  # a q8 weight holds them exactly
-        assert torch.equal(QuantizedWeight.from_int8(values, scales).dequantize(), expected)
+    assert torch.equal(QuantizedWeight.from_int8(values, scales).dequantize(), expected)  # a q8 weight holds them
 
 
 def test_wrong_types_widths_and_byte_counts_are_refused():

@@ -8,23 +8,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from specdec.kernels import ops, q5
+from tiny_models import random_int8_blocks
 
 # whole blocks of 32: one block, a tail unit of each size (64 = 2 blocks, 96 = 3 blocks padded to 128), Gemma's 640,
 # Qwen-0.5B's 896, several 512-column groups with tails (2880), a width past the sliced walk (4160)
 WIDTHS = (32, 64, 96, 640, 896, 2880, 4160)
 ROWS = (1, 2, 3, 4, 5, 8, 13, 40, 130)
-
-
-def _random_q5_0_bytes(out_features: int, in_features: int, seed: int) -> np.ndarray:
-    """Valid random Q5_0 blocks [out, in/32 * 22]: any qh and qs bytes, finite fp16 d (normal, subnormal, zero)."""
-    rng = np.random.default_rng(seed)
-    count = out_features * in_features // 32
-    blocks = rng.integers(0, 256, size=(count, 22), dtype=np.uint8)
-    d = (rng.standard_normal(count) * 1e-2).astype(np.float16)
-    d[::7] = np.float16(3e-7)  # subnormal
-    d[::13] = 0.0
-    blocks[:, 0:2] = d.view(np.uint8).reshape(count, 2)
-    return blocks.reshape(out_features, -1)
 
 
 def _random_weight(out_features: int, in_features: int, seed: int) -> q5.Q5Weight:
@@ -47,7 +36,7 @@ def _activations(rows: int, in_features: int, seed: int) -> tuple[torch.Tensor, 
 
 @pytest.mark.parametrize("in_features", [32, 640, 896])
 def test_q5_0_import_equals_gguf_dequantization(in_features):
-    raw = _random_q5_0_bytes(7, in_features, seed=in_features)
+    raw = random_int8_blocks("Q5_0", 7, in_features, seed=in_features)
     weight = q5.q5_from_q5_0_blocks(raw, 7, in_features)
     expected = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q5_0)).view(7, in_features)
     assert torch.equal(weight.dequantize(), expected)

@@ -9,19 +9,18 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from specdec.kernels import QuantizedWeight
 from specdec.models.layers import ConcatLinear, Linear, TensorStorage
+from tiny_models import random_int8_blocks
 
 IN_FEATURES = 96  # no multiple of 256 (Q4_K's and Q6_K's rule), whole Q5_0 blocks
 
 
 def _storage(names_and_types: dict[str, str], out_features: int = 8) -> tuple[TensorStorage, dict[str, torch.Tensor]]:
-    rng = np.random.default_rng(0)
     storage, tensors = TensorStorage(), {}
-    for name, storage_type in names_and_types.items():
+    for seed, (name, storage_type) in enumerate(names_and_types.items()):
         storage.types[name] = storage_type
         if storage_type == "Q5_0":
-            raw = rng.integers(0, 256, size=(out_features * IN_FEATURES // 32, 22), dtype=np.uint8)
-            raw[:, 0:2] = (rng.standard_normal(len(raw)) * 1e-2).astype(np.float16).view(np.uint8).reshape(-1, 2)
-            storage.block_bytes[name] = torch.from_numpy(raw.reshape(out_features, -1))
+            raw = random_int8_blocks(storage_type, out_features, IN_FEATURES, seed)
+            storage.block_bytes[name] = torch.from_numpy(raw)
             tensors[name] = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q5_0)).view(out_features, -1)
         else:
             tensors[name] = torch.randn(out_features, IN_FEATURES) * 0.01
@@ -80,11 +79,8 @@ def test_int8_storage_loads_as_q8_exactly_and_q5_gives_its_bits():
     """Q8_0 and Q5_0 tensors keep their values in q8 (TensorStorage.exact_int8); a q5 layer of the same Q5_0 bytes
     gives the q8 layer's output bit for bit, so auto (q8) and q5 agree."""
     storage, tensors = _storage({"q": "Q5_0", "k": "Q5_0", "v": "Q8_0"})
-    rng = np.random.default_rng(1)
-    raw = rng.integers(0, 256, size=(8 * IN_FEATURES // 32, 34), dtype=np.uint8)
-    raw[:, 2:] = rng.integers(-127, 128, size=(len(raw), 32)).astype(np.int8).view(np.uint8)
-    raw[:, 0:2] = (rng.standard_normal(len(raw)) * 1e-2).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    storage.block_bytes["v"] = torch.from_numpy(raw.reshape(8, -1))
+    raw = random_int8_blocks("Q8_0", 8, IN_FEATURES, seed=7)
+    storage.block_bytes["v"] = torch.from_numpy(raw)
     tensors["v"] = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q8_0)).view(8, -1)
     names = ["q", "k", "v"]
     weight = torch.cat([tensors[name] for name in names])

@@ -8,7 +8,6 @@ import functools
 import socket
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing
@@ -25,7 +24,7 @@ from specdec.models.layers import Linear, TensorStorage
 from specdec.models.parallel import ShardPlan, TensorParallel
 from specdec.models.transformer import Transformer
 from specdec.runtime import load_model
-from tiny_models import tiny_config, tiny_tensors
+from tiny_models import random_int8_blocks, tiny_config, tiny_tensors
 
 # name -> (architecture, weight format, config overrides); q4 needs inputs in multiples of 256, per rank too
 MODELS = {
@@ -256,10 +255,7 @@ def test_a_q5_shard_holds_the_files_q5_0_blocks_of_its_columns():
     its columns, the very values of the whole layer there."""
     config = tiny_config("llama", hidden_size=256, intermediate_size=512, head_dim=64)
     name, out_features, in_features = "layers.0.o_proj", 256, 256
-    rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, size=(out_features * in_features // 32, 22), dtype=np.uint8)
-    raw[:, 0:2] = (rng.standard_normal(len(raw)) * 1e-2).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    raw = torch.from_numpy(raw.reshape(out_features, -1))
+    raw = torch.from_numpy(random_int8_blocks("Q5_0", out_features, in_features))
     whole = q5.q5_from_q5_0_blocks(raw, out_features, in_features).dequantize()
     storage = TensorStorage(types={name: "Q5_0"}, block_bytes={name: raw})
     for rank in range(2):
