@@ -1,15 +1,18 @@
 """The q5 weight format's rules: the file's Q5_0 layers run as q5 under weight_format="q5" (lossless), as q8 under
-auto (lossless too where the file's bytes are kept, TensorStorage.exact_int8), as q4 under q4; a fused layer of Q5_0
-and Q8_0 parts runs as a q5 part and a q8 part."""
+auto (lossless too where the file's bytes are kept, TensorStorage.exact_int8) except on the avx2 path, where auto is q5
+(resolved_weight_format), as q4 under q4; a fused layer of Q5_0 and Q8_0 parts runs as a q5 part and a q8 part."""
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from specdec.kernels import QuantizedWeight
-from specdec.models.layers import ConcatLinear, Linear, TensorStorage
-from tiny_models import random_int8_blocks
+from specdec.cache.kv_cache import KVCache
+from specdec.kernels import QuantizedWeight, avx_vnni_active, forced_isa, kernels_available, supported_isas
+from specdec.models.batch import ForwardBatch
+from specdec.models.layers import ConcatLinear, Linear, TensorStorage, resolved_weight_format
+from specdec.models.transformer import Transformer
+from tiny_models import random_int8_blocks, tiny_config, tiny_tensors
 
 IN_FEATURES = 96  # no multiple of 256 (Q4_K's and Q6_K's rule), whole Q5_0 blocks
 
@@ -97,3 +100,53 @@ def test_int8_storage_loads_as_q8_exactly_and_q5_gives_its_bits():
     storage.block_bytes["v"] = torch.from_numpy(raw.reshape(8, -1))
     assert storage.exact_int8(["v"], IN_FEATURES) is None
     assert storage.exact_int8(["q", "missing"], IN_FEATURES) is None
+
+
+@pytest.mark.parametrize("weight_format, isa, avx_vnni, expected", [
+    ("auto", "avx2", False, "q5"),  # q5 faster than q8 at every row count there, the same bits
+    ("auto", "avx2", True, "auto"),  # the AVX-VNNI variant's q8: not measured against q5
+    ("auto", "avx512", False, "auto"),  # q5 slower from 8 rows
+    ("auto", "amx", False, "auto"),
+    ("auto", "scalar", False, "auto"),
+    ("auto", "torch", False, "auto"),
+    ("q8", "avx2", False, "q8"),
+    ("q4", "avx2", False, "q4"),
+    ("q5", "avx512", False, "q5"),
+    ("fp32", "avx2", False, "fp32"),
+])
+def test_resolved_weight_format(weight_format, isa, avx_vnni, expected):
+    assert resolved_weight_format(weight_format, isa, avx_vnni) == expected
+
+
+def test_resolved_weight_format_refuses_an_unknown_format():
+    with pytest.raises(ValueError, match="unknown weight format 'q3'"):
+        resolved_weight_format("q3", "avx2", False)
+
+
+@pytest.mark.skipif(not kernels_available(), reason="the kernel paths need the compiled extension")
+def test_auto_loads_q5_0_layers_per_path_with_the_same_logits():
+    """A model whose every linear layer is stored as Q5_0, loaded under auto on each kernel path the CPU runs: q5
+    layers on the avx2 path (q8 where it runs its AVX-VNNI variant), q8 layers elsewhere, and the same logits bit for
+    bit on every path."""
+    config = tiny_config("llama")
+    tensors, storage = tiny_tensors(config), TensorStorage()
+    for index in range(config.num_layers):
+        for leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            name = f"layers.{index}.{leaf}"
+            out_features, in_features = tensors[name].shape
+            raw = random_int8_blocks("Q5_0", out_features, in_features, seed=len(storage.types))
+            storage.types[name], storage.block_bytes[name] = "Q5_0", torch.from_numpy(raw)
+            tensors[name] = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q5_0)).view(out_features, -1)
+    logits = {}
+    for isa in supported_isas():
+        with forced_isa(isa):
+            expected = "q5" if isa == "avx2" and not avx_vnni_active() else "q8"
+            model = Transformer(config, tensors, "auto", storage=storage)
+            cache = KVCache(model.config, 1, 32, model.device, dtype=model.kv_cache_dtype)
+            logits[isa] = model.forward(ForwardBatch.build([[5, 17, 42, 5, 17, 42, 9]], [0], [0], all_logits=True),
+                                        cache)
+        assert {layer.gate_up_proj.format for layer in model.layers} == {expected}, isa
+        assert {layer.qkv_proj.format for layer in model.layers} == {expected}, isa
+    assert "avx2" in logits  # every CPU these tests run on has the avx2 path
+    for isa, isa_logits in logits.items():
+        assert torch.equal(isa_logits, logits["scalar"]), isa

@@ -1,10 +1,12 @@
 """The real Q4_K_M files under the default weight format (auto): their Q4_K layers run as q4 and their Q6_K layers
-as q6, both carrying the file's values exactly (the fp32 dequantization of the same bytes); everything else stays
-q8."""
+as q6, both carrying the file's values exactly (the fp32 dequantization of the same bytes); their Q5_0 layers as q5 on
+the avx2 path and q8 elsewhere (resolved_weight_format); everything else stays q8."""
 import pytest
 import torch
 
 from specdec.cache.kv_cache import KVCache
+from specdec.kernels import avx_vnni_active, forced_isa, supported_isas
+from specdec.models.layers import resolved_weight_format
 from specdec.models.batch import ForwardBatch
 from specdec.models.catalog import model_path
 from specdec.models.loader import load_checkpoint
@@ -18,6 +20,7 @@ def test_gemma_block_layers_are_q4_and_q6_and_lossless():
     real_model_path("gemma-3-270m")
     checkpoint = load_checkpoint(model_path("gemma-3-270m"), keep_block_bytes=True)
     model = Transformer(checkpoint.config, checkpoint.tensors, "auto", storage=checkpoint.storage)
+    q5_in_auto = resolved_weight_format("auto") == "q5"
     counts = {"Q4_K": 0, "Q6_K": 0}
     for index, layer in enumerate(model.layers):
         for linear, name in ((layer.o_proj, "o_proj"), (layer.down_proj, "down_proj")):
@@ -26,9 +29,10 @@ def test_gemma_block_layers_are_q4_and_q6_and_lossless():
             if stored in counts:
                 counts[stored] += 1
                 assert torch.equal(linear.blocks.dequantize(), checkpoint.tensors[f"layers.{index}.{name}"])
-        assert layer.qkv_proj.format == "q8"  # Q5_0 / Q8_0 in this file, and 640 inputs
+        # Q5_0 / Q8_0 in this file, and 640 inputs
+        assert layer.qkv_proj.format in (("q5", "q5+q8") if q5_in_auto else ("q8",))
     assert counts == {"Q4_K": 27, "Q6_K": 9}  # 18 o_proj + 9 down_proj as Q4_K, 9 down_proj as Q6_K
-    assert set(model.linear_bytes()) == {"q4", "q6", "q8"}
+    assert set(model.linear_bytes()) == {"q4", "q6", "q8"} | ({"q5"} if q5_in_auto else set())
 
 
 def test_qwen_1_5b_mixed_qkv_runs_as_lossless_q4_and_q6_parts():
@@ -54,11 +58,13 @@ def test_qwen_1_5b_mixed_qkv_runs_as_lossless_q4_and_q6_parts():
 
 def test_gemma_q5_runs_its_q5_0_layers_as_q5_with_autos_bits():
     """Gemma-3-270M's Q5_0 layers (q/k and gate/up, 640 inputs) and Q8_0 layers (v in half the layers, the embedding
-    table and tied output layer) carry the file's values exactly: as q8 under auto, as q5 (Q5_0) under
-    weight_format="q5", in a third fewer bytes; the two give the same logits bit for bit."""
+    table and tied output layer) carry the file's values exactly: as q8 under auto off the avx2 path, as q5 (Q5_0)
+    under weight_format="q5" and under auto on the avx2 path, in a third fewer bytes; all give the same logits bit for
+    bit."""
     real_model_path("gemma-3-270m")
     checkpoint = load_checkpoint(model_path("gemma-3-270m"), keep_block_bytes=True)
-    auto = Transformer(checkpoint.config, checkpoint.tensors, "auto", storage=checkpoint.storage)
+    with forced_isa("scalar"):  # auto as it loads off the avx2 path (the q8 layout runs on every path)
+        auto = Transformer(checkpoint.config, checkpoint.tensors, "auto", storage=checkpoint.storage)
     small = Transformer(checkpoint.config, checkpoint.tensors, "q5", storage=checkpoint.storage)
     q5_parts = 0
     for index, (auto_layer, layer) in enumerate(zip(auto.layers, small.layers)):
@@ -73,8 +79,16 @@ def test_gemma_q5_runs_its_q5_0_layers_as_q5_with_autos_bits():
     assert q5_parts == 18  # q/k (and v where it is Q5_0) as one q5 part per layer
     assert torch.equal(auto.embed_tokens.quantized.dequantize(), checkpoint.tensors["embed_tokens"])  # Q8_0
     assert small.linear_bytes()["q5"] < 0.7 * (auto.linear_bytes()["q8"] - small.linear_bytes()["q8"])
-    logits = []
-    for model in (auto, small):
+    models = {"auto off avx2": auto, "q5": small}
+    if "avx2" in supported_isas():
+        with forced_isa("avx2"):
+            models["auto on avx2"] = Transformer(checkpoint.config, checkpoint.tensors, "auto",
+                                                 storage=checkpoint.storage)
+            on_avx2 = {layer.gate_up_proj.format for layer in models["auto on avx2"].layers}
+            assert on_avx2 == ({"q8"} if avx_vnni_active() else {"q5"})
+    logits = {}
+    for name, model in models.items():
         cache = KVCache(model.config, 1, 64, model.device, dtype=model.kv_cache_dtype)
-        logits.append(model.forward(ForwardBatch.build([list(range(2, 14))], [0], [0], all_logits=True), cache))
-    assert torch.equal(logits[0], logits[1])
+        logits[name] = model.forward(ForwardBatch.build([list(range(2, 14))], [0], [0], all_logits=True), cache)
+    for name, model_logits in logits.items():
+        assert torch.equal(model_logits, logits["q5"]), name

@@ -13,8 +13,8 @@ scripts/install-peers.sh builds them), each llama.cpp build's `llama-bench -t TH
 cached) on the model's GGUF follow each round, and every path gets its ratio to each build.
 `--llama-cpp` measures llama.cpp through llama-cpp-python in this process instead (the same decode prompt's
 token ids, greedy, 128 tokens; the same prefill tokens). Each weight format (`--weight-formats`, default the
-default, auto) is a model of its own; the weights are packed once in the layout of the first path (the "amx"
-layout only when it is "amx").
+default, auto) is a model of its own, as each path loads it (auto is q5 on the avx2 path, `resolved_weight_format`:
+one more model), packed in the layout of the first path that loads it (the "amx" layout only when that is "amx").
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from specdec.config import SamplingParams
 from specdec.kernels import ops
 from specdec.llm import LLM
 from specdec.runtime import configure_threads
+from specdec.models.layers import resolved_weight_format
 
 DECODE_PROMPT = "Write a detailed explanation of how a hash map works, including collisions and resizing."
 PREFILL_WORDS = 760  # about 1000 tokens of the repeated passage below
@@ -115,24 +116,31 @@ def bench_model(name: str, isas: list[str], args: argparse.Namespace, threads: i
     from specdec.models.catalog import resolve_model
 
     formats = args.weight_formats.split(",")
-    llms = {}
+    # One model per format as each path loads it (auto is q5 on the avx2 path: resolved_weight_format), packed for
+    # the layout of the first path that loads it.
+    llms, llm_of = {}, {}
     for weight_format in formats:
-        with ops.forced_isa(isas[0]):  # the weights are packed for the first path's layout
-            llms[weight_format] = LLM(model=name, max_model_len=2048, max_num_seqs=1, weight_format=weight_format)
+        for isa in isas:
+            with ops.forced_isa(isa):
+                loaded_as = resolved_weight_format(weight_format)
+                if loaded_as not in llms:
+                    llms[loaded_as] = LLM(model=name, max_model_len=2048, max_num_seqs=1, weight_format=weight_format)
+            llm_of[isa, weight_format] = llms[loaded_as]
     variants = [(isa, weight_format) for weight_format in formats for isa in isas]
     rounds: dict[str, list[dict[str, float]]] = {_label(*variant, formats): [] for variant in variants}
     peers: dict[str, list[dict[str, float]]] = {label: [] for label in args.llama_bench}
     if args.llama_cpp:
         peers["llama-cpp-python"] = []
     llama_cache: dict = {}
-    any_llm = llms[formats[0]]
+    any_llm = next(iter(llms.values()))
     decode_ids = any_llm.encode_prompt(DECODE_PROMPT, chat=True)
     prefill_ids = prefill_token_ids(any_llm)
     for round_index in range(args.rounds):
         shift = round_index % len(variants)  # each variant in turn first in a round
         for isa, weight_format in variants[shift:] + variants[:shift]:
             with ops.forced_isa(isa):
-                rounds[_label(isa, weight_format, formats)].append(measure_path(llms[weight_format], args.max_tokens))
+                rounds[_label(isa, weight_format, formats)].append(measure_path(llm_of[isa, weight_format],
+                                                                               args.max_tokens))
         for label, binary in args.llama_bench.items():
             peers[label].append(llama_bench(binary, resolve_model(name), threads))
         if args.llama_cpp:

@@ -135,6 +135,13 @@ def kernel_isa() -> str:
     return "torch" if ext is None else ext.isa()
 
 
+def avx_vnni_active() -> bool:
+    """Whether this process runs the avx2 path's AVX-VNNI (`vpdpbusd`, VEX) variant: the avx2 path on a CPU with
+    AVX-VNNI, unless ``SPECDEC_AVX_VNNI=0``."""
+    ext = _load()
+    return ext is not None and ext.isa() == "avx2" and bool(ext.avx_vnni())
+
+
 def supported_isas() -> tuple[str, ...]:
     """The kernel paths this CPU can run, slowest first ('scalar' always; () without the extension)."""
     ext = _load()

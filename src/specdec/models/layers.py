@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels import QuantizedWeight, embedding, q8_linear, quantize_weight
+from specdec.kernels import QuantizedWeight, avx_vnni_active, embedding, kernel_isa, q8_linear, quantize_weight
 from specdec.kernels.gguf_int8 import BLOCK_BYTES as INT8_BLOCK_BYTES, int8_blocks
 from specdec.kernels.q4 import Q4Weight, q4_from_q4k_blocks, q4_linear, q4_supports, quantize_q4
 from specdec.kernels.q5 import Q5Weight, q5_from_q5_0_blocks, q5_linear, q5_supports
@@ -20,7 +20,8 @@ from specdec.kernels.q6 import Q6Weight, q6_from_q6k_blocks, q6_linear, q6_suppo
 
 # auto: q4 where the file stores a layer as Q4_K, q6 where it stores it as Q6_K (both lossless: the file's blocks,
 #       repacked; 4.6 and 6.6 bits a weight), q8 elsewhere (the default; see docs/kernels.md, "Weight formats"):
-#       with the file's own int8 values and scales where it stores Q8_0 / Q5_0 / Q4_0 (lossless), else requantized.
+#       with the file's own int8 values and scales where it stores Q8_0 / Q5_0 / Q4_0 (lossless), else requantized;
+#       on the avx2 path without AVX-VNNI auto is q5 (resolved_weight_format).
 # q4:   as auto, and also quantizes to 4 bits at load what the file stores as fp32 / fp16 / bf16 / Q4_0 / Q4_1 /
 #       Q5_0 (the type llama.cpp's Q4_K_M files use instead of Q4_K where a width is no multiple of 256), any width
 #       (padded).
@@ -29,8 +30,8 @@ from specdec.kernels.q6 import Q6Weight, q6_from_q6k_blocks, q6_linear, q6_suppo
 #       weights choose the proposals, never the output.
 # q5:   as auto, and q5 where the file stores a layer as Q5_0 (lossless, 5.5 bits a weight: the type Q4_K_M files use
 #       where a width is no multiple of 256) instead of auto's q8 of the same values: auto's output bit for bit, in a
-#       third fewer bytes for those layers; faster at every row count on the avx2 path, at 1-2 rows on avx512 but
-#       slower there from 8 rows (verify blocks), so not auto's choice (docs/kernels.md, "The q5 weight format").
+#       third fewer bytes for those layers; faster at every row count on the avx2 path (auto's choice there), at 1-2
+#       rows on avx512 but slower there from 8 rows (verify blocks) (docs/kernels.md, "The q5 weight format").
 # q8:   every layer int8.   fp32: the reference (torch's matmul, not row invariant).
 WEIGHT_FORMATS = ("auto", "q4", "q4-all", "q5", "q8", "fp32")
 Q4_LOSSLESS_STORAGE = frozenset({"Q4_K"})
@@ -46,6 +47,19 @@ Q4_QUANTIZED_STORAGE = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0"})
 def check_weight_format(weight_format: str) -> None:
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+
+
+def resolved_weight_format(weight_format: str, isa: str | None = None, avx_vnni: bool | None = None) -> str:
+    """The format a model's layers load in for ``weight_format`` on kernel path ``isa`` (default: this process's,
+    and whether it runs the avx2 path's AVX-VNNI variant): "auto" is "q5" on the avx2 path without AVX-VNNI, where
+    q5 runs faster than q8 of the same values at every row count and gives the same bits, so the output does not
+    depend on the choice (docs/kernels.md, "The q5 weight format"); every other format is itself."""
+    check_weight_format(weight_format)
+    if weight_format != "auto":
+        return weight_format
+    isa = kernel_isa() if isa is None else isa
+    avx_vnni = avx_vnni_active() if avx_vnni is None else avx_vnni
+    return "q5" if isa == "avx2" and not avx_vnni else "auto"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from specdec.models.batch import ForwardBatch
 from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
 from specdec.models.config import ModelConfig
-from specdec.models.layers import ConcatLinear, Linear, RotaryTable, TensorStorage, check_weight_format
+from specdec.models.layers import ConcatLinear, Linear, RotaryTable, TensorStorage, resolved_weight_format
 from specdec.models.parallel import ShardPlan, TensorParallel, TrunkCommand
 
 if TYPE_CHECKING:  # the cache is the layer above: the model only writes and reads the one it is given
@@ -103,7 +103,7 @@ class Transformer:
         the measured cost profile of this model (engine/draft_length/).
         parallel: this process's rank in a tensor-parallel group (None: the whole model in this process); the rank
         keeps its slice of ``tensors`` (models/parallel.py), only rank 0 builds the output layer."""
-        check_weight_format(weight_format)
+        layer_format = resolved_weight_format(weight_format)  # auto is q5 on the avx2 path: the same bits
         storage = storage or TensorStorage()
         self.config = config
         self.source = source
@@ -116,7 +116,7 @@ class Transformer:
         # this rank's part: its heads (the config its KV cache is made for) and its slices of the layers' weights
         self.shard_config = config
         if self.parallel is not None:
-            plan = ShardPlan.build(config, self.parallel.world_size, self.parallel.rank, storage, weight_format)
+            plan = ShardPlan.build(config, self.parallel.world_size, self.parallel.rank, storage, layer_format)
             self.shard_config = plan.shard_config(config)
             tensors, storage = plan.tensors(tensors), plan.storage(storage)
         embed = tensors["embed_tokens"].float().to(self.device)
@@ -129,13 +129,13 @@ class Transformer:
         self.lm_head: Linear | None = None  # the workers of a tensor-parallel group compute no logits
         if self.parallel is None or self.parallel.is_leader:
             if "lm_head" in tensors:
-                self.lm_head = _linear(tensors, storage, ["lm_head"], None, weight_format, self.device)
+                self.lm_head = _linear(tensors, storage, ["lm_head"], None, layer_format, self.device)
             elif weight_format == "q4-all":  # a q4 copy of the tied table: the output layer is a weight stream
                 self.lm_head = Linear.build(embed, None, "q4")
             else:
                 self.lm_head = self.embed_tokens
         self.norm = tensors["norm"].float().to(self.device)
-        self.layers = [_build_layer(config, tensors, storage, i, weight_format, self.device)
+        self.layers = [_build_layer(config, tensors, storage, i, layer_format, self.device)
                        for i in range(config.num_layers)]
         thetas = {config.layer_rope_theta(i) for i in range(config.num_layers)}
         self.rotary = {theta: RotaryTable(config.head_dim, theta, self.device) for theta in thetas}

@@ -1,0 +1,54 @@
+"""Probe: auto on the avx2 path, q5 for the file's Q5_0 layers (what it loads) against q8 of the same values (what it
+loaded before, and still loads on the other paths), on the avx2 path, in one process (docs/kernels.md, "The q5 weight
+format").
+
+    .venv/bin/python scripts/probes/q5_in_auto.py [--models gemma-3-270m,qwen2.5-coder-0.5b-instruct] [--rounds 6]
+
+The q8 model is auto loaded under the scalar path (where auto keeps q8; its vnni layout runs on every path). Each
+round measures both models in turn (alternating which goes first) with isa_bench's `measure_path`: plain greedy decode
+tok/s (128 tokens), prefill tok/s of a ~850-token prompt, T(1) and T(8) after 256 cached tokens; the table gives the
+medians. The two give the same logits bit for bit (tests/models/test_q5_models.py).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from specdec.bench.isa_bench import measure_path
+from specdec.bench.provenance import cpu_name
+from specdec.kernels import ops
+from specdec.llm import LLM
+from specdec.runtime import configure_threads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gemma-3-270m,qwen2.5-coder-0.5b-instruct")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    configure_threads(args.threads)
+    if "avx2" not in ops.supported_isas():
+        raise SystemExit("this CPU does not run the avx2 path")
+    print(f"{cpu_name()}, {args.threads} threads, avx2 path; medians of {args.rounds} rounds")
+    print("| model | Q5_0 layers as | decode tok/s | prefill tok/s | T(1) ms | T(8) ms |")
+    print("|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        llms = {}
+        for label, isa in (("q5 (auto)", "avx2"), ("q8", "scalar")):
+            with ops.forced_isa(isa):
+                llms[label] = LLM(model=name, max_model_len=2048, max_num_seqs=1)
+        rounds: dict[str, list[dict[str, float]]] = {label: [] for label in llms}
+        with ops.forced_isa("avx2"):
+            for round_index in range(args.rounds):
+                order = list(llms.items())
+                for label, llm in order[round_index % 2 :] + order[: round_index % 2]:
+                    rounds[label].append(measure_path(llm, 128))
+        for label, rows in rounds.items():
+            median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+            print(f"| {name} | {label} | {median['decode_tok_s']:.1f} | {median['prefill_tok_s']:.0f} | "
+                  f"{median['t1_ms']:.2f} | {median['t8_ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
