@@ -94,6 +94,15 @@ def test_row_units_cover_the_padded_row_with_one_epilogue_per_unit():
         assert sorted(ops._pack_index(kp).tolist()) == list(range(kp))
 
 
+def test_packing_transposes_each_unit_as_the_pack_index_gathers():
+    """The weight is packed by one transpose per unit (`_interleave_blocks`); the pack index says the same order
+    element by element (and the unpacking reads the weight back through its inverse)."""
+    generator = torch.Generator().manual_seed(3)
+    for kp in range(64, 4096 + 64, 64):
+        natural = torch.randint(0, 256, (5, kp), dtype=torch.uint8, generator=generator)
+        assert torch.equal(ops._interleave_blocks(natural), natural.index_select(1, ops._pack_index(kp))), kp
+
+
 @pytest.mark.parametrize(
     "k,n",
     [

@@ -1,6 +1,8 @@
 """The q5 weight format's rules: the file's Q5_0 layers run as q5 under weight_format="q5" (lossless), as q8 under
 auto (lossless too where the file's bytes are kept, TensorStorage.exact_int8) except on the avx2 path, where auto is q5
 (resolved_weight_format), as q4 under q4; a fused layer of Q5_0 and Q8_0 parts runs as a q5 part and a q8 part."""
+from collections.abc import Mapping
+
 import numpy as np
 import pytest
 import torch
@@ -123,28 +125,83 @@ def test_resolved_weight_format_refuses_an_unknown_format():
         resolved_weight_format("q3", "avx2", False)
 
 
+def _tiny_q5_0_model():
+    """A tiny Llama whose every linear layer the "file" stores as Q5_0 and whose embedding table as Q8_0."""
+    config = tiny_config("llama")
+    tensors, storage = tiny_tensors(config), TensorStorage()
+    names = [f"layers.{index}.{leaf}" for index in range(config.num_layers)
+             for leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")]
+    for name in ["embed_tokens", *names]:
+        storage_type = "Q8_0" if name == "embed_tokens" else "Q5_0"
+        out_features, in_features = tensors[name].shape
+        raw = random_int8_blocks(storage_type, out_features, in_features, seed=len(storage.types))
+        storage.types[name], storage.block_bytes[name] = storage_type, torch.from_numpy(raw)
+        dequantized = gguf_dequantize(raw, getattr(GGMLQuantizationType, storage_type))
+        tensors[name] = torch.from_numpy(dequantized).view(out_features, -1)
+    return config, tensors, storage
+
+
+def _logits(model: Transformer) -> torch.Tensor:
+    cache = KVCache(model.config, 1, 32, model.device, dtype=model.kv_cache_dtype)
+    return model.forward(ForwardBatch.build([[5, 17, 42, 5, 17, 42, 9]], [0], [0], all_logits=True), cache)
+
+
+class _ShapedTensors(Mapping):
+    """A checkpoint's tensors as a GGUF file's lazy mapping gives them (`shape` without dequantizing); records which
+    were read."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors, self.read = tensors, set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.read.add(name)
+        return self._tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+
+@pytest.mark.parametrize("weight_format", ["auto", "q5", "q8"])
+def test_layers_built_from_the_files_data_are_never_dequantized(weight_format):
+    """Q5_0 / Q8_0 layers and embedding table load from the file's bytes (q5) or int8 values (q8): the load reads
+    only the norms, never the fp32 dequantization of those tensors, and gives the logits a load from the dequantized
+    tensors gives."""
+    config, tensors, storage = _tiny_q5_0_model()
+    lazy = _ShapedTensors(tensors)
+    model = Transformer(config, lazy, weight_format, storage=storage)
+    assert lazy.read.isdisjoint(storage.types)
+    assert torch.equal(_logits(model), _logits(Transformer(config, tensors, weight_format, storage=storage)))
+    lazy = _ShapedTensors(tensors)
+    Transformer(config, lazy, "fp32", storage=storage)  # fp32 has nothing but the dequantized weights
+    assert set(storage.types) <= lazy.read
+
+
+def test_a_linear_without_its_weight_needs_the_files_data():
+    with pytest.raises(ValueError, match="needs the weight, or its shape and the file's blocks or int8 values"):
+        Linear.build(None, None, "q8", shape=(8, IN_FEATURES))
+
+
 @pytest.mark.skipif(not kernels_available(), reason="the kernel paths need the compiled extension")
 def test_auto_loads_q5_0_layers_per_path_with_the_same_logits():
     """A model whose every linear layer is stored as Q5_0, loaded under auto on each kernel path the CPU runs: q5
     layers on the avx2 path (q8 where it runs its AVX-VNNI variant), q8 layers elsewhere, and the same logits bit for
     bit on every path."""
-    config = tiny_config("llama")
-    tensors, storage = tiny_tensors(config), TensorStorage()
-    for index in range(config.num_layers):
-        for leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-            name = f"layers.{index}.{leaf}"
-            out_features, in_features = tensors[name].shape
-            raw = random_int8_blocks("Q5_0", out_features, in_features, seed=len(storage.types))
-            storage.types[name], storage.block_bytes[name] = "Q5_0", torch.from_numpy(raw)
-            tensors[name] = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType.Q5_0)).view(out_features, -1)
+    config, tensors, storage = _tiny_q5_0_model()
     logits = {}
     for isa in supported_isas():
         with forced_isa(isa):
             expected = "q5" if isa == "avx2" and not avx_vnni_active() else "q8"
             model = Transformer(config, tensors, "auto", storage=storage)
-            cache = KVCache(model.config, 1, 32, model.device, dtype=model.kv_cache_dtype)
-            logits[isa] = model.forward(ForwardBatch.build([[5, 17, 42, 5, 17, 42, 9]], [0], [0], all_logits=True),
-                                        cache)
+            logits[isa] = _logits(model)
         assert {layer.gate_up_proj.format for layer in model.layers} == {expected}, isa
         assert {layer.qkv_proj.format for layer in model.layers} == {expected}, isa
     assert "avx2" in logits  # every CPU these tests run on has the avx2 path

@@ -217,6 +217,23 @@ def _pack_index(kp: int) -> torch.Tensor:
     return idx
 
 
+def _interleave_blocks(natural: torch.Tensor) -> torch.Tensor:
+    """[N, Kp] -> the same bytes in packed column order: ``natural[:, _pack_index(Kp)]``, as one transpose per unit
+    (a unit of nb blocks is [nb blocks][nb/2 vectors][16/nb lanes][4 bytes], packed [vectors][blocks][lanes][4]),
+    which costs a fraction of the gather."""
+    n, kp = natural.shape
+    packed = torch.empty_like(natural)
+    groups = kp // GROUP
+    if groups:
+        packed[:, : groups * GROUP] = natural[:, : groups * GROUP].view(n, groups, 16, 8, 4).transpose(2, 3).reshape(
+            n, groups * GROUP)
+    for first, blocks in _units(kp)[groups:]:
+        columns = slice(first * BLOCK, (first + blocks) * BLOCK)
+        packed[:, columns] = natural[:, columns].view(n, blocks, blocks // 2, 16 // blocks, 4).transpose(1, 2).reshape(
+            n, blocks * BLOCK)
+    return packed
+
+
 @functools.cache
 def _unpack_index(kp: int, device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """natural[:, k] = packed[:, inv[k]]."""
@@ -357,9 +374,8 @@ class QuantizedWeight:
             return cls(packed, scale, in_features, layout="amx", tile_scale=tile_scale)
         if layout != "vnni":
             raise ValueError(f"unknown q8 layout {layout!r}; choose one of {', '.join(Q8_LAYOUTS)}")
-        u8 = (natural.to(torch.int16) + 128).to(torch.uint8)
-        packed = _tile(u8.index_select(1, _pack_index(natural.shape[1]).to(natural.device)))
-        return cls(packed, scale, in_features)
+        u8 = natural.view(torch.uint8) ^ 0x80  # q + 128 (two's complement with the top bit flipped)
+        return cls(_tile(_interleave_blocks(u8)), scale, in_features)
 
     def int8(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Natural-order signed weights [N (or len(rows)), in_features] int8."""

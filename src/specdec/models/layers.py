@@ -170,14 +170,18 @@ class Linear:
     blocks: Q4Weight | Q5Weight | Q6Weight | None = None  # q4, q5 and q6 formats only
 
     @classmethod
-    def build(cls, weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str,
+    def build(cls, weight: torch.Tensor | None, bias: torch.Tensor | None, weight_format: str,
               block_bytes: torch.Tensor | None = None,
-              exact_int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Linear":
+              exact_int8: tuple[torch.Tensor, torch.Tensor] | None = None,
+              shape: tuple[int, int] | None = None) -> "Linear":
         """weight [out, in] in "q8", "q4", "q5", "q6" or "fp32" (a resolved format, see TensorStorage.linear_format);
         q4, q5 and q6 from ``block_bytes`` (the file's Q4_K, Q5_0 or Q6_K bytes of this weight, lossless) when given,
         q4 else quantized from weight; q8 from ``exact_int8`` (the file's int8 values and fp16 block scales,
-        TensorStorage.exact_int8, lossless) when given, else quantized from weight."""
-        out_features, in_features = weight.shape
+        TensorStorage.exact_int8, lossless) when given, else quantized from weight. weight may be None where the
+        file's data suffice, with ``shape`` [out, in] given instead (a load then skips dequantizing it)."""
+        if weight is None and (shape is None or (block_bytes is None and exact_int8 is None)):
+            raise ValueError("Linear.build needs the weight, or its shape and the file's blocks or int8 values")
+        out_features, in_features = weight.shape if weight is not None else shape
         if weight_format == "q8":
             quantized = quantize_weight(weight) if exact_int8 is None else QuantizedWeight.from_int8(*exact_int8)
             return cls(dense=None, quantized=quantized, bias=bias)

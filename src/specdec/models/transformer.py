@@ -8,6 +8,7 @@ its heads and its part of the intermediate dimension; the partial sums of o_proj
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,18 +55,30 @@ def _optional(tensors: dict[str, torch.Tensor], name: str, device: torch.device)
     return None if tensor is None else tensor.float().to(device)
 
 
-def _linear(tensors: dict[str, torch.Tensor], storage: TensorStorage, names: list[str], bias: torch.Tensor | None,
+def _shape(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """A tensor's shape, without dequantizing it where the mapping knows it (a GGUF file's lazy tensors)."""
+    shape = getattr(tensors, "shape", None)
+    return tuple(shape(name)) if callable(shape) else tuple(tensors[name].shape)
+
+
+def _linear(tensors: Mapping[str, torch.Tensor], storage: TensorStorage, names: list[str], bias: torch.Tensor | None,
             weight_format: str, device) -> Linear | ConcatLinear:
     """One linear of the row-concatenated tensors ``names``, in the format ``storage`` resolves for them, or one
-    linear per part where the file stores the names in different lossless block types (TensorStorage.linear_parts)."""
+    linear per part where the file stores the names in different lossless block types (TensorStorage.linear_parts).
+    A part built from the file's blocks or int8 values is never dequantized to fp32."""
     parts, row = [], 0
-    for part_names, linear_format in storage.linear_parts(names, tensors[names[0]].shape[1], weight_format):
-        weight = torch.cat([tensors[name].float().to(device) for name in part_names])  # [part out, in]
-        part_bias = None if bias is None else bias[row : row + weight.shape[0]]
-        exact_int8 = storage.exact_int8(part_names, weight.shape[1]) if linear_format == "q8" else None
-        parts.append(Linear.build(weight, part_bias, linear_format, storage.lossless_bytes(part_names, linear_format),
-                                  exact_int8))
-        row += weight.shape[0]
+    in_features = _shape(tensors, names[0])[1]
+    for part_names, linear_format in storage.linear_parts(names, in_features, weight_format):
+        block_bytes = storage.lossless_bytes(part_names, linear_format)
+        exact_int8 = storage.exact_int8(part_names, in_features) if linear_format == "q8" else None
+        out_features = sum(_shape(tensors, name)[0] for name in part_names)
+        weight = None
+        if block_bytes is None and exact_int8 is None:
+            weight = torch.cat([tensors[name].float().to(device) for name in part_names])  # [part out, in]
+        part_bias = None if bias is None else bias[row : row + out_features]
+        parts.append(Linear.build(weight, part_bias, linear_format, block_bytes, exact_int8,
+                                  shape=(out_features, in_features)))
+        row += out_features
     return parts[0] if len(parts) == 1 else ConcatLinear(tuple(parts))
 
 
@@ -119,18 +132,21 @@ class Transformer:
             plan = ShardPlan.build(config, self.parallel.world_size, self.parallel.rank, storage, layer_format)
             self.shard_config = plan.shard_config(config)
             tensors, storage = plan.tensors(tensors), plan.storage(storage)
-        embed = tensors["embed_tokens"].float().to(self.device)
         # The embedding table is a gather, not a weight stream: q8 under q4 (and the lm_head it is tied to).
-        if weight_format == "fp32":
-            self.embed_tokens = Linear.build(embed, None, "fp32")
-        else:
-            self.embed_tokens = Linear.build(embed, None, "q8",
-                                             exact_int8=storage.exact_int8(["embed_tokens"], embed.shape[1]))
+        embed_shape = _shape(tensors, "embed_tokens")
+        exact_embed = None if weight_format == "fp32" else storage.exact_int8(["embed_tokens"], embed_shape[1])
+        builds_lm_head = self.parallel is None or self.parallel.is_leader
+        q4_copy = builds_lm_head and "lm_head" not in tensors and weight_format == "q4-all"
+        embed = None  # [vocab, hidden] fp32, only where the file's int8 values do not suffice
+        if exact_embed is None or q4_copy:
+            embed = tensors["embed_tokens"].float().to(self.device)
+        self.embed_tokens = Linear.build(embed, None, "fp32" if weight_format == "fp32" else "q8",
+                                         exact_int8=exact_embed, shape=embed_shape)
         self.lm_head: Linear | None = None  # the workers of a tensor-parallel group compute no logits
-        if self.parallel is None or self.parallel.is_leader:
+        if builds_lm_head:
             if "lm_head" in tensors:
                 self.lm_head = _linear(tensors, storage, ["lm_head"], None, layer_format, self.device)
-            elif weight_format == "q4-all":  # a q4 copy of the tied table: the output layer is a weight stream
+            elif q4_copy:  # a q4 copy of the tied table: the output layer is a weight stream
                 self.lm_head = Linear.build(embed, None, "q4")
             else:
                 self.lm_head = self.embed_tokens
