@@ -94,6 +94,15 @@ def test_nibble_columns_cover_every_column_once():
         assert sorted(torch.cat([low, high]).tolist()) == list(range(in_features))
 
 
+def test_nibbles_are_packed_in_the_order_the_nibble_columns_say():
+    generator = torch.Generator().manual_seed(5)
+    for in_features in range(256, 9216 + 256, 256):
+        quants = torch.randint(0, 16, (5, in_features), dtype=torch.uint8, generator=generator)
+        low, high = q4._nibble_columns(in_features)
+        expected = quants.index_select(1, low) | (quants.index_select(1, high) << 4)
+        assert torch.equal(q4._pack_nibbles(quants), expected), in_features
+
+
 def test_q4k_tensors_need_a_multiple_of_256():
     assert not q4.q4_supports(640) and q4.q4_supports(2048)
     with pytest.raises(q4.Q4ShapeError, match="keep this layer at q8"):

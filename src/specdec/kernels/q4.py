@@ -127,6 +127,20 @@ def _nibble_columns(in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     return low, high
 
 
+def _pack_nibbles(quants: torch.Tensor) -> torch.Tensor:
+    """[out, in] quants 0..15 -> [out, in/2] bytes in kernel order: byte p holds column _nibble_columns(in)[0][p] in
+    its low nibble and [1][p] in its high one. A unit of nb sub-blocks, natural [nb][2 halves][nb/4 chunks][16/nb
+    lanes][4], is packed [halves][chunks][nb][lanes][4] (one transpose instead of two column gathers)."""
+    out, in_features = quants.shape
+    packed = torch.empty(out, in_features // 2, dtype=torch.uint8)
+    for first, blocks in _units(in_features):
+        unit = quants[:, first * SUB_BLOCK : (first + blocks) * SUB_BLOCK]
+        halves = unit.reshape(out, blocks, 2, blocks // 4, 16 // blocks, 4).permute(2, 0, 3, 1, 4, 5)
+        span = slice(first * SUB_BLOCK // 2, (first + blocks) * SUB_BLOCK // 2)
+        packed[:, span] = (halves[0] | (halves[1] << 4)).reshape(out, blocks * SUB_BLOCK // 2)
+    return packed
+
+
 def _pack_scales(blocks: Q4Blocks) -> torch.Tensor:
     """Per row: for each unit of 16 sub-blocks its 16 sc, 16 m, 2 fp16 d, 2 fp16 dmin (40 bytes), then the
     last unit of 8 (20 bytes) where in/256 is odd -> [out, in/256 * 20] uint8."""
@@ -212,10 +226,8 @@ class Q4Weight:
             raise ValueError(f"quants must lie in 0..{QUANT_MAX}")
         if bool((blocks.sub_scales > SCALE_MAX).any()) or bool((blocks.sub_mins > SCALE_MAX).any()):
             raise ValueError(f"sub-block scales and mins must lie in 0..{SCALE_MAX}")
-        low, high = _nibble_columns(padded)
-        quants = blocks.quants.to(torch.uint8)
-        packed = quants.index_select(1, low) | (quants.index_select(1, high) << 4)  # [out, in/2]
-        return cls(tile_rows(packed).contiguous(), _pack_scales(blocks), in_features)
+        return cls(tile_rows(_pack_nibbles(blocks.quants.to(torch.uint8))).contiguous(), _pack_scales(blocks),
+                   in_features)
 
     def blocks(self) -> Q4Blocks:
         """The weight in natural order, padding included (exactly what :meth:`from_blocks` packed)."""
