@@ -206,6 +206,7 @@ _GGUF_SCALARS = {  # GGUF value type -> (struct format, size)
 }
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _MAX_GGUF_ITEMS = 1 << 28  # sanity bound on counts read from the header
+_UINT64 = struct.Struct("<Q")
 
 
 class _GGUFHeaderParser:
@@ -269,6 +270,22 @@ class _GGUFHeaderParser:
         size = self._count(self._scalar(10))
         return bytes(self._take(size)).decode("utf-8", errors="replace")
 
+    def _strings(self, count: int) -> list[str]:
+        """``count`` strings in a row (a tokenizer's vocabulary: ~150k), as _string reads them, in one tight loop."""
+        buffer, position, file_size = self._buffer, self._position, len(self._buffer)
+        read_size = _UINT64.unpack_from
+        strings = []
+        for _ in range(count):
+            if position + 8 > file_size:
+                raise _Truncated(f"header ends early (needs byte {position + 8}, file has {file_size})")
+            size = self._count(read_size(buffer, position)[0])
+            start, position = position + 8, position + 8 + size
+            if position > file_size:
+                raise _Truncated(f"header ends early (needs byte {position}, file has {file_size})")
+            strings.append(str(buffer[start:position], "utf-8", "replace"))
+        self._position = position
+        return strings
+
     def _value(self, value_type: int) -> Any:
         if value_type == _GGUF_STRING:
             return self._string()
@@ -276,7 +293,7 @@ class _GGUFHeaderParser:
             item_type = self._scalar(4)
             count = self._count(self._scalar(10))
             if item_type == _GGUF_STRING:
-                return [self._string() for _ in range(count)]
+                return self._strings(count)
             if item_type in _GGUF_SCALARS:
                 fmt, size = _GGUF_SCALARS[item_type]
                 return np.frombuffer(self._take(size * count), dtype=np.dtype(fmt)).tolist()
