@@ -244,6 +244,20 @@ def test_fp16_scale_edge_cases():
     assert (wd[0, :32] - w[0, :32]).abs().max().item() <= 2.0**-25
 
 
+def test_quantize_weight_read_in_rows_is_the_same_weight():
+    """quantize_weight_rows reads the weight a few thousand rows at a time (the embedding table of a file that stores
+    it in 4 or 6 bits, never all of it in fp32): the very bytes and scales quantize_weight gives."""
+    generator = torch.Generator().manual_seed(11)
+    for n, k in ((25_000, 640), (7, 96), (3_000, 8_960)):  # several row chunks, one chunk, a wide row
+        weight = torch.randn(n, k, generator=generator) * 0.05
+        reads = []
+        rows = ops.quantize_weight_rows(lambda r0, r1: reads.append((r0, r1)) or weight[r0:r1], (n, k))
+        whole = ops.quantize_weight(weight)
+        assert torch.equal(rows.qweight, whole.qweight) and torch.equal(rows.scale, whole.scale)
+        assert reads[0][0] == 0 and reads[-1][1] == n and all(a[1] == b[0] for a, b in zip(reads, reads[1:]))
+        assert len(reads) == -(-n // max(1, (1 << 24) // (-(-k // 64) * 64)))
+
+
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_quantize_round_trip(k, n, layout):
     w, _, _ = _data(k, n)

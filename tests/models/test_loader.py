@@ -152,6 +152,23 @@ def test_llama_qk_unpermuted_like_transformers(real_checkpoints) -> None:
     assert torch.equal(loader.unpermute_rope_rows(file_rows, 9), ours["layers.0.q_proj"])
 
 
+@pytest.mark.real
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct"])
+def test_rows_of_a_tensor_are_its_rows(real_checkpoints, name: str) -> None:
+    """GGUFTensors.rows dequantizes a row range alone, bit for bit those rows of the whole tensor: every block type
+    of these files (the 1.5B's embedding table is Q4_K, its output layer Q6_K), llama's reordered q/k rows too."""
+    tensors = real_checkpoints(name).tensors
+    checked = set()
+    for tensor_name in tensors:
+        if len(tensors.shape(tensor_name)) != 2 or tensor_name.startswith("layers.") and ".0." not in tensor_name:
+            continue
+        whole = tensors[tensor_name]
+        for start, end in ((0, 1), (3, 70), (whole.shape[0] - 5, whole.shape[0])):
+            assert torch.equal(tensors.rows(tensor_name, start, end), whole[start:end]), (tensor_name, start)
+        checked.add(real_checkpoints(name).storage.types.get(tensor_name, "F32"))
+    assert len(checked) >= 2, checked
+
+
 def test_unpermute_inverts_llama_cpp_permute() -> None:
     heads, head_dim, hidden = 3, 8, 5
     weight = torch.randn(heads * head_dim, hidden)

@@ -151,7 +151,7 @@ class _ShapedTensors(Mapping):
     were read."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self._tensors, self.read = tensors, set()
+        self._tensors, self.read, self.row_reads = tensors, set(), []
 
     def __getitem__(self, name: str) -> torch.Tensor:
         self.read.add(name)
@@ -169,6 +169,10 @@ class _ShapedTensors(Mapping):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._tensors[name].shape)
 
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        self.row_reads.append((name, start, end))
+        return self._tensors[name][start:end]
+
 
 @pytest.mark.parametrize("weight_format", ["auto", "q5", "q8"])
 def test_layers_built_from_the_files_data_are_never_dequantized(weight_format):
@@ -183,6 +187,19 @@ def test_layers_built_from_the_files_data_are_never_dequantized(weight_format):
     lazy = _ShapedTensors(tensors)
     Transformer(config, lazy, "fp32", storage=storage)  # fp32 has nothing but the dequantized weights
     assert set(storage.types) <= lazy.read
+
+
+def test_an_embedding_table_to_requantize_is_read_in_row_ranges():
+    """An embedding table the file stores in a type q8 cannot take exactly (here fp32; a Q4_K or Q6_K table in real
+    files) is quantized to q8 from row ranges, never read whole, to the very weight a whole read gives."""
+    config = tiny_config("llama", vocab_size=300)
+    tensors = tiny_tensors(config)
+    lazy = _ShapedTensors(tensors)
+    model = Transformer(config, lazy, "auto")
+    assert "embed_tokens" not in lazy.read and lazy.row_reads[0] == ("embed_tokens", 0, 300)
+    whole = Transformer(config, tensors, "auto")
+    assert torch.equal(model.embed_tokens.quantized.qweight, whole.embed_tokens.quantized.qweight)
+    assert torch.equal(_logits(model), _logits(whole))
 
 
 def test_a_linear_without_its_weight_needs_the_files_data():

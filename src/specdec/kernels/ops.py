@@ -27,6 +27,7 @@ Set ``SPECDEC_DISABLE_KERNELS=1`` to force the fallback.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import contextlib
 import functools
 import os
@@ -444,16 +445,23 @@ def quantize_weight(weight: torch.Tensor, layout: str | None = None) -> Quantize
     """
     assert weight.dim() == 2, "weight must be [out_features, in_features]"
     w = weight.detach()
-    n, k = w.shape
+    return quantize_weight_rows(lambda r0, r1: w[r0:r1], tuple(w.shape), w.device, layout)
+
+
+def quantize_weight_rows(read_rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int],
+                         device: torch.device | str = "cpu", layout: str | None = None) -> QuantizedWeight:
+    """:func:`quantize_weight` of a weight of ``shape`` [out, in] read a few thousand rows at a time
+    (``read_rows(r0, r1)`` -> rows [r0, r1), fp32): the same weight bit for bit, without the whole of it in fp32."""
+    n, k = shape
     kp = -(-k // CHUNK) * CHUNK
     nbp = kp // BLOCK
-    scale = torch.zeros(n, nbp, dtype=torch.float16, device=w.device)
-    natural = torch.zeros(n, kp, dtype=torch.int8, device=w.device)
+    scale = torch.zeros(n, nbp, dtype=torch.float16, device=device)
+    natural = torch.zeros(n, kp, dtype=torch.int8, device=device)
     step = max(1, (1 << 24) // max(1, kp))  # bound the fp32 temporaries
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
-        wr = torch.zeros(r1 - r0, kp, dtype=torch.float32, device=w.device)
-        wr[:, :k] = w[r0:r1]
+        wr = torch.zeros(r1 - r0, kp, dtype=torch.float32, device=device)
+        wr[:, :k] = read_rows(r0, r1)
         wb = wr.view(r1 - r0, nbp, BLOCK)
         amax = wb.abs().amax(dim=2)
         s16 = (amax / 127.0).to(torch.float16)

@@ -16,6 +16,7 @@ import torch
 
 from specdec.models.batch import ForwardBatch
 from specdec.kernels import QKNormRope, attention, gated_activation, qk_norm_rope, rms_norm
+from specdec.kernels.ops import quantize_weight_rows
 from specdec.models.config import ModelConfig
 from specdec.models.layers import ConcatLinear, Linear, RotaryTable, TensorStorage, resolved_weight_format
 from specdec.models.parallel import ShardPlan, TensorParallel, TrunkCommand
@@ -137,11 +138,19 @@ class Transformer:
         exact_embed = None if weight_format == "fp32" else storage.exact_int8(["embed_tokens"], embed_shape[1])
         builds_lm_head = self.parallel is None or self.parallel.is_leader
         q4_copy = builds_lm_head and "lm_head" not in tensors and weight_format == "q4-all"
-        embed = None  # [vocab, hidden] fp32, only where the file's int8 values do not suffice
-        if exact_embed is None or q4_copy:
+        embed = None  # [vocab, hidden] fp32, only for fp32 and q4-all's q4 copy
+        if weight_format == "fp32" or q4_copy:
             embed = tensors["embed_tokens"].float().to(self.device)
-        self.embed_tokens = Linear.build(embed, None, "fp32" if weight_format == "fp32" else "q8",
-                                         exact_int8=exact_embed, shape=embed_shape)
+        if exact_embed is None and embed is None and callable(getattr(tensors, "rows", None)):
+            # requantized to q8 a few thousand rows at a time (a Q4_K / Q6_K table: never all of it in fp32)
+            quantized = quantize_weight_rows(lambda r0, r1: tensors.rows("embed_tokens", r0, r1).float(), embed_shape,
+                                             self.device)
+            self.embed_tokens = Linear(dense=None, quantized=quantized, bias=None)
+        else:
+            if exact_embed is None and embed is None:
+                embed = tensors["embed_tokens"].float().to(self.device)
+            self.embed_tokens = Linear.build(embed, None, "fp32" if weight_format == "fp32" else "q8",
+                                             exact_int8=exact_embed, shape=embed_shape)
         self.lm_head: Linear | None = None  # the workers of a tensor-parallel group compute no logits
         if builds_lm_head:
             if "lm_head" in tensors:
