@@ -83,6 +83,23 @@ def _linear(tensors: Mapping[str, torch.Tensor], storage: TensorStorage, names: 
     return parts[0] if len(parts) == 1 else ConcatLinear(tuple(parts))
 
 
+def _embedding(tensors: Mapping[str, torch.Tensor], storage: TensorStorage, weight_format: str,
+               dense: torch.Tensor | None, device) -> Linear:
+    """The embedding table, a gather, not a weight stream: fp32 under fp32 (``dense``), else q8 under every format
+    (and the lm_head it is tied to): the file's own int8 values where it stores Q8_0 / Q5_0 / Q4_0, else requantized,
+    from row ranges where the mapping reads them alone (a Q4_K / Q6_K table: never all of it in fp32)."""
+    if weight_format == "fp32":
+        return Linear.build(dense, None, "fp32")
+    shape = _shape(tensors, "embed_tokens")
+    exact_int8 = storage.exact_int8(["embed_tokens"], shape[1])
+    if exact_int8 is not None:
+        return Linear.build(None, None, "q8", exact_int8=exact_int8, shape=shape)
+    if dense is None and callable(getattr(tensors, "rows", None)):
+        read_rows = lambda r0, r1: tensors.rows("embed_tokens", r0, r1).float().to(device)  # noqa: E731
+        return Linear(dense=None, quantized=quantize_weight_rows(read_rows, shape, device), bias=None)
+    return Linear.build(dense if dense is not None else tensors["embed_tokens"].float().to(device), None, "q8")
+
+
 def _build_layer(config: ModelConfig, tensors: dict[str, torch.Tensor], storage: TensorStorage, index: int,
                  weight_format: str, device) -> DecoderLayer:
     prefix = f"layers.{index}."
@@ -133,24 +150,12 @@ class Transformer:
             plan = ShardPlan.build(config, self.parallel.world_size, self.parallel.rank, storage, layer_format)
             self.shard_config = plan.shard_config(config)
             tensors, storage = plan.tensors(tensors), plan.storage(storage)
-        # The embedding table is a gather, not a weight stream: q8 under q4 (and the lm_head it is tied to).
-        embed_shape = _shape(tensors, "embed_tokens")
-        exact_embed = None if weight_format == "fp32" else storage.exact_int8(["embed_tokens"], embed_shape[1])
         builds_lm_head = self.parallel is None or self.parallel.is_leader
         q4_copy = builds_lm_head and "lm_head" not in tensors and weight_format == "q4-all"
-        embed = None  # [vocab, hidden] fp32, only for fp32 and q4-all's q4 copy
+        embed = None  # [vocab, hidden] fp32, read only for fp32 and for q4-all's q4 copy of a tied table
         if weight_format == "fp32" or q4_copy:
             embed = tensors["embed_tokens"].float().to(self.device)
-        if exact_embed is None and embed is None and callable(getattr(tensors, "rows", None)):
-            # requantized to q8 a few thousand rows at a time (a Q4_K / Q6_K table: never all of it in fp32)
-            quantized = quantize_weight_rows(lambda r0, r1: tensors.rows("embed_tokens", r0, r1).float(), embed_shape,
-                                             self.device)
-            self.embed_tokens = Linear(dense=None, quantized=quantized, bias=None)
-        else:
-            if exact_embed is None and embed is None:
-                embed = tensors["embed_tokens"].float().to(self.device)
-            self.embed_tokens = Linear.build(embed, None, "fp32" if weight_format == "fp32" else "q8",
-                                             exact_int8=exact_embed, shape=embed_shape)
+        self.embed_tokens = _embedding(tensors, storage, weight_format, embed, self.device)
         self.lm_head: Linear | None = None  # the workers of a tensor-parallel group compute no logits
         if builds_lm_head:
             if "lm_head" in tensors:
