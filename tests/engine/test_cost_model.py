@@ -540,3 +540,15 @@ def test_own_cpu_time_counts_the_live_processes_we_started(monkeypatch):
         assert profile_store._own_cpu_s() - before >= 0.3  # /proc counts whole clock ticks
     finally:
         child.communicate("")
+
+
+def test_a_profile_is_keyed_by_the_format_the_layers_load_in():
+    """auto's layers differ per kernel path (q5 for Q5_0 layers on the avx2 path): the key holds the format as this
+    process loads it, so an auto profile measured on q8 layers is not reused for q5 ones."""
+    from specdec.kernels import avx_vnni_active, forced_isa, supported_isas
+
+    assert ProfileKey.current("tiny-llama", "q8").weight_format == "q8"
+    for isa in supported_isas():
+        with forced_isa(isa):
+            expected = "q5" if isa == "avx2" and not avx_vnni_active() else "auto"
+            assert ProfileKey.current("tiny-llama", "auto").weight_format == expected, isa

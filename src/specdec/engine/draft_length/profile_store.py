@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from specdec.models.layers import resolved_weight_format
 from specdec.engine.draft_length.costs import (MAX_PROFILE_ROWS, ContextCosts, CostProfile, CostSamples, ForwardCosts,
                                                folded)
 from specdec.engine.draft_length.measure import (CONTINUE_BUDGET_SHARE, PROFILE_BUDGET_S, has_count_to_continue,
@@ -66,10 +67,12 @@ class ProfileKey:
 
     @classmethod
     def current(cls, model_name_or_path: str, weight_format: str, device: str | torch.device = "cpu") -> ProfileKey:
+        """The key of this process's profile; weight_format as the layers load it on this kernel path
+        (`resolved_weight_format`: auto is q5 on the avx2 path), so a profile measured on other layers is not reused."""
         from specdec.kernels.ops import kernel_build_id
 
-        return cls(model_identity(model_name_or_path), weight_format, torch.get_num_threads(), machine_name(device),
-                   kernel_build_id())
+        return cls(model_identity(model_name_or_path), resolved_weight_format(weight_format), torch.get_num_threads(),
+                   machine_name(device), kernel_build_id())
 
     def filename(self) -> str:
         digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:16]
