@@ -1,11 +1,13 @@
 """What the block-quantized weight formats (q4: kernels/q4.py, q6: kernels/q6.py) share: their rows stored in tiles
-of 4, the call of their CPU kernel with the torch fallback beside it, and the fallback's cached dense weight."""
+of 4, the call of their CPU kernel with the torch fallback beside it, and the fallback's cached dense weight; and what
+every import of a GGUF tensor's blocks (q4, q6, gguf_int8) does first: its bytes checked and cut into blocks."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +15,20 @@ from specdec.kernels import ops
 
 ROW_TILE = 4  # weight rows per tile of a block format's quants
 CHUNK = 64  # bytes of a chunk (one 512-bit vector)
+
+
+def gguf_blocks(raw, storage_type: str, out_features: int, in_features: int, block_values: int,
+                block_bytes: int) -> torch.Tensor:
+    """A GGUF tensor's bytes (uint8 tensor or ndarray [out, in/block_values * block_bytes]) of ``storage_type`` ->
+    its blocks [out * in/block_values, block_bytes] uint8, in file order; refuses a byte count that is not the
+    tensor's."""
+    if isinstance(raw, np.ndarray):
+        raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
+    expected = out_features * (in_features // block_values) * block_bytes
+    if raw.numel() != expected:
+        raise ValueError(f"a {storage_type} tensor [{out_features}, {in_features}] has {expected} bytes, "
+                         f"got {raw.numel()}")
+    return raw.contiguous().view(torch.uint8).reshape(-1, block_bytes)
 
 
 def tile_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ them losslessly from the file's bytes instead of requantizing the dequantized we
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+
+from specdec.kernels.blocks import gguf_blocks
 
 BLOCK = 32  # inputs per block of all three types
 BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18}  # fp16 d, then the block's quants
@@ -21,13 +22,8 @@ def int8_blocks(raw, storage_type: str, out_features: int, in_features: int) -> 
         raise ValueError(f"{storage_type} is not an int8 block type; choose one of {', '.join(BLOCK_BYTES)}")
     if in_features <= 0 or in_features % BLOCK:
         raise ValueError(f"a {storage_type} tensor has whole blocks of {BLOCK} inputs, got {in_features}")
-    if isinstance(raw, np.ndarray):
-        raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
     blocks_per_row = in_features // BLOCK
-    if raw.numel() != out_features * blocks_per_row * block_bytes:
-        raise ValueError(f"a {storage_type} tensor [{out_features}, {in_features}] has "
-                         f"{out_features * blocks_per_row * block_bytes} bytes, got {raw.numel()}")
-    blocks = raw.contiguous().view(torch.uint8).reshape(-1, block_bytes)  # [blocks, block bytes]
+    blocks = gguf_blocks(raw, storage_type, out_features, in_features, BLOCK, block_bytes)  # [blocks, block bytes]
     scale = blocks[:, 0:2].contiguous().view(torch.float16).reshape(out_features, blocks_per_row)
     values = torch.empty(blocks.shape[0], BLOCK, dtype=torch.int8)  # [blocks, 32]
     for start in range(0, blocks.shape[0], _DECODE_BLOCKS):  # bounded temporaries (an embedding table has millions)

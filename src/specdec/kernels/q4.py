@@ -37,12 +37,11 @@ import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from specdec.kernels import ops
-from specdec.kernels.blocks import block_linear, dense_linear, tile_rows, untile_rows
+from specdec.kernels.blocks import block_linear, dense_linear, gguf_blocks, tile_rows, untile_rows
 
 __all__ = [
     "Q4ShapeError",
@@ -267,13 +266,8 @@ def q4_from_q4k_blocks(raw, out_features: int, in_features: int) -> Q4Weight:
     """A GGUF Q4_K tensor's bytes (uint8 tensor or ndarray [out, in/256 * 144]) -> Q4Weight, losslessly: its
     dequantization equals gguf-py's of the same bytes bit for bit."""
     _check_in_features(in_features)
-    if isinstance(raw, np.ndarray):
-        raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
     super_blocks = in_features // SUPER_BLOCK
-    if raw.numel() != out_features * super_blocks * Q4K_BLOCK_BYTES:
-        raise ValueError(f"a Q4_K tensor [{out_features}, {in_features}] has "
-                         f"{out_features * super_blocks * Q4K_BLOCK_BYTES} bytes, got {raw.numel()}")
-    blocks = raw.contiguous().view(torch.uint8).reshape(out_features * super_blocks, Q4K_BLOCK_BYTES)
+    blocks = gguf_blocks(raw, "Q4_K", out_features, in_features, SUPER_BLOCK, Q4K_BLOCK_BYTES)
     d = blocks[:, 0:2].contiguous().view(torch.float16).reshape(out_features, super_blocks)
     dmin = blocks[:, 2:4].contiguous().view(torch.float16).reshape(out_features, super_blocks)
     # the 12 scale bytes: 6-bit scales of sub-blocks 0-3 (with 2 high bits of 4-7's), mins likewise, then the low

@@ -146,7 +146,7 @@ class Q5Weight:
         padded_scale[:, :blocks] = scale[:, :blocks].to(torch.float16)
         values = torch.full((out, kp), -Q_MIN, dtype=torch.uint8)  # v = q + 16; padding q = 0
         values[:, :in_features] = (q.to(torch.int16) - Q_MIN).to(torch.uint8)
-        unit_order = values.index_select(1, ops._pack_index(kp))
+        unit_order = ops._interleave_blocks(values)
         return cls(_tile(*_encode_rows(unit_order)).contiguous(), padded_scale.contiguous(), in_features)
 
     def int8(self, rows: torch.Tensor | None = None) -> torch.Tensor:

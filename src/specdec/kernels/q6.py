@@ -31,10 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
-from specdec.kernels.blocks import block_linear, dense_linear, tile_rows, untile_rows
+from specdec.kernels.blocks import block_linear, dense_linear, gguf_blocks, tile_rows, untile_rows
 
 __all__ = ["Q6ShapeError", "Q6Blocks", "Q6Weight", "q6_from_q6k_blocks", "q6_linear", "q6_supports"]
 
@@ -169,13 +168,8 @@ def q6_from_q6k_blocks(raw, out_features: int, in_features: int) -> Q6Weight:
     """A GGUF Q6_K tensor's bytes (uint8 tensor or ndarray [out, in/256 * 210]) -> Q6Weight, losslessly: its
     dequantization equals gguf-py's of the same bytes bit for bit."""
     _check_in_features(in_features)
-    if isinstance(raw, np.ndarray):
-        raw = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8))
     super_blocks = in_features // SUPER_BLOCK
-    if raw.numel() != out_features * super_blocks * Q6K_BLOCK_BYTES:
-        raise ValueError(f"a Q6_K tensor [{out_features}, {in_features}] has "
-                         f"{out_features * super_blocks * Q6K_BLOCK_BYTES} bytes, got {raw.numel()}")
-    blocks = raw.contiguous().view(torch.uint8).reshape(-1, Q6K_BLOCK_BYTES)
+    blocks = gguf_blocks(raw, "Q6_K", out_features, in_features, SUPER_BLOCK, Q6K_BLOCK_BYTES)
     count = blocks.shape[0]
     # per 128-value half: 64 bytes of ql (values 0-63 in their low nibbles, 64-127 in their high nibbles) and 32
     # of qh (bit pair g of byte i: value 32 g + i)
