@@ -267,11 +267,11 @@ class _GGUFHeaderParser:
         return count
 
     def _string(self) -> str:
-        size = self._count(self._scalar(10))
-        return bytes(self._take(size)).decode("utf-8", errors="replace")
+        return self._strings(1)[0]
 
     def _strings(self, count: int) -> list[str]:
-        """``count`` strings in a row (a tokenizer's vocabulary: ~150k), as _string reads them, in one tight loop."""
+        """``count`` strings in a row, each a uint64 byte count then UTF-8 bytes, in one tight loop (a tokenizer's
+        vocabulary: ~150k)."""
         buffer, position, file_size = self._buffer, self._position, len(self._buffer)
         read_size = _UINT64.unpack_from
         strings = []
