@@ -14,7 +14,7 @@ from specdec.models import loader
 from specdec.models.catalog import models_dir
 from specdec.models.loader import (ModelLoadError, load_checkpoint, load_gguf, load_hf_dir, load_tokenizer,
                                    read_gguf_file)
-from tiny_models import write_tiny_tokenizer
+from tiny_models import tiny_config, write_tiny_tokenizer
 
 
 def real_model_path(name: str) -> Path:
@@ -150,6 +150,65 @@ def test_llama_qk_unpermuted_like_transformers(real_checkpoints) -> None:
     file_rows = loader._dequantize_gguf_tensor(raw, info, path)
     assert not torch.equal(file_rows, ours["layers.0.q_proj"])
     assert torch.equal(loader.unpermute_rope_rows(file_rows, 9), ours["layers.0.q_proj"])
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name, looked_up", [("smollm2-135m-instruct", ["embed_tokens"]),
+                                             ("qwen2.5-coder-0.5b-instruct",
+                                              ["layers.0.q_proj", "layers.0.down_proj", "layers.3.gate_proj"])])
+def test_block_bytes_are_read_from_the_file_when_looked_up(name: str, looked_up: list[str]) -> None:
+    """keep_block_bytes keeps no bytes: each lookup copies one tensor's blocks out of the file (a new tensor each
+    time), and those blocks decode to the tensor's fp32 values. The 0.5B's are Q5_0, Q6_K and Q4_K; SmolLM2's
+    layers are Q4_1 (no lossless format: not kept), its embedding table Q8_0."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    checkpoint = load_gguf(real_model_path(name), keep_block_bytes=True)
+    block_bytes, types = checkpoint.storage.block_bytes, checkpoint.storage.types
+    assert isinstance(block_bytes, loader.GGUFBlockBytes)
+    assert set(block_bytes) == {tensor for tensor, type_name in types.items()
+                                if type_name in loader.BLOCK_STORAGE and len(checkpoint.tensors.shape(tensor)) == 2}
+    assert "norm" not in block_bytes
+    for tensor in looked_up:
+        first, second = block_bytes[tensor], block_bytes[tensor]
+        assert torch.equal(first, second) and first.data_ptr() != second.data_ptr()
+        values = dequantize(first.numpy(), GGMLQuantizationType[types[tensor]])
+        assert torch.equal(torch.from_numpy(values).reshape(checkpoint.tensors.shape(tensor)),
+                           checkpoint.tensors[tensor])
+    assert not load_gguf(real_model_path(name)).storage.block_bytes
+
+
+def test_llama_qk_block_bytes_are_unpermuted_like_its_weights(tmp_path) -> None:
+    """A llama file's q/k rows, interleaved by llama.cpp, come out of GGUFBlockBytes in HF's order, as the fp32
+    tensors do: whole rows of blocks moved, so they decode to the unpermuted weight."""
+    import gguf
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    config = tiny_config("llama")
+    weights = {"blk.0.attn_q.weight": (config.num_heads, 1), "blk.0.attn_k.weight": (config.num_kv_heads, 2),
+               "blk.0.attn_v.weight": (config.num_kv_heads, 3)}
+    writer = gguf.GGUFWriter(str(tmp_path / "qk.gguf"), "llama")
+    rows = {}
+    for tensor_name, (heads, seed) in weights.items():
+        weight = np.random.default_rng(seed).standard_normal((heads * config.head_dim, 64)).astype(np.float32)
+        rows[tensor_name] = quantize(weight, GGMLQuantizationType.Q8_0)
+        writer.add_tensor(tensor_name, rows[tensor_name], raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = tmp_path / "qk.gguf"
+    block_bytes = loader.GGUFBlockBytes(read_gguf_file(path), config, path)
+    canonical_names = {"blk.0.attn_q.weight": "layers.0.q_proj", "blk.0.attn_k.weight": "layers.0.k_proj",
+                       "blk.0.attn_v.weight": "layers.0.v_proj"}
+    for tensor_name, canonical in canonical_names.items():
+        heads = weights[tensor_name][0]
+        file_values = torch.from_numpy(dequantize(rows[tensor_name], GGMLQuantizationType.Q8_0))
+        expected = file_values if canonical.endswith("v_proj") else loader.unpermute_rope_rows(file_values, heads)
+        ours = torch.from_numpy(dequantize(block_bytes[canonical].numpy(), GGMLQuantizationType.Q8_0))
+        assert torch.equal(ours, expected)
+    assert not torch.equal(block_bytes["layers.0.q_proj"], torch.from_numpy(rows["blk.0.attn_q.weight"]))
 
 
 @pytest.mark.real

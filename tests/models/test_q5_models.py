@@ -189,6 +189,40 @@ def test_layers_built_from_the_files_data_are_never_dequantized(weight_format):
     assert set(storage.types) <= lazy.read
 
 
+class _CountedBytes(Mapping):
+    """A storage's block bytes, counting the reads of each tensor's."""
+
+    def __init__(self, block_bytes: Mapping[str, torch.Tensor]) -> None:
+        self._block_bytes, self.reads = block_bytes, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.reads[name] = self.reads.get(name, 0) + 1
+        return self._block_bytes[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._block_bytes
+
+    def __iter__(self):
+        return iter(self._block_bytes)
+
+    def __len__(self) -> int:
+        return len(self._block_bytes)
+
+
+@pytest.mark.parametrize("weight_format", ["auto", "q5", "q8", "q4"])
+def test_a_load_reads_each_tensors_block_bytes_once_at_most(weight_format):
+    """Block bytes a GGUF file's mapping reads when looked up (loader.GGUFBlockBytes) are read once per tensor that
+    loads from them (every one here under auto, q5 and q8), never only to check a format; q4 requantizes the Q5_0
+    layers and reads only the embedding table's."""
+    config, tensors, storage = _tiny_q5_0_model()
+    counted = _CountedBytes(storage.block_bytes)
+    model = Transformer(config, tensors, weight_format, storage=TensorStorage(types=storage.types,
+                                                                              block_bytes=counted))
+    expected = set(storage.types) if weight_format != "q4" else {"embed_tokens"}
+    assert counted.reads == {name: 1 for name in expected}
+    assert torch.equal(_logits(model), _logits(Transformer(config, tensors, weight_format, storage=storage)))
+
+
 def test_an_embedding_table_to_requantize_is_read_in_row_ranges():
     """An embedding table the file stores in a type q8 cannot take exactly (here fp32; a Q4_K or Q6_K table in real
     files) is quantized to q8 from row ranges, never read whole, to the very weight a whole read gives."""

@@ -7,6 +7,7 @@ it is decoded alone, verified in a block of draft tokens, or batched with other 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -66,10 +67,12 @@ def resolved_weight_format(weight_format: str, isa: str | None = None, avx_vnni:
 class TensorStorage:
     """How a checkpoint stored its tensors: the storage type per canonical name ("Q4_K", "Q6_K", "F16", "BF16",
     ...; absent = fp32) and the raw bytes of its Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 tensors ([out, in/256 * 144 or 210],
-    [out, in/32 * 34, 22 or 18] uint8), which q4, q6, q8 and q5 load losslessly."""
+    [out, in/32 * 34, 22 or 18] uint8), which q4, q6, q8 and q5 load losslessly. ``block_bytes`` may read a tensor's
+    bytes when it is looked up (a GGUF file's mapping, loader.GGUFBlockBytes): each linear reads its names once, and
+    the checks below look at names and types only."""
 
     types: dict[str, str] = field(default_factory=dict)
-    block_bytes: dict[str, torch.Tensor] = field(default_factory=dict)
+    block_bytes: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def linear_format(self, names: list[str], in_features: int, weight_format: str) -> str:
         """The format ("q4", "q5", "q6", "q8" or "fp32") of a linear made of the row-concatenated tensors ``names``."""
@@ -97,7 +100,7 @@ class TensorStorage:
         if whole != "q8" or weight_format not in ("auto", "q4", "q5") or len(names) < 2:
             return [(list(names), whole)]
         formats = [self.linear_format([name], in_features, weight_format) for name in names]
-        if not all(fmt == "q8" or self.lossless_bytes([name], fmt) is not None for name, fmt in zip(names, formats)):
+        if not all(fmt == "q8" or self._keeps_lossless([name], fmt) for name, fmt in zip(names, formats)):
             return [(list(names), whole)]
         parts: list[tuple[list[str], str]] = []
         for name, fmt in zip(names, formats):
@@ -113,8 +116,10 @@ class TensorStorage:
         None (q8 then requantizes the dequantized weight)."""
         if not all(self.types.get(name) in INT8_STORAGE and name in self.block_bytes for name in names):
             return None
-        decoded = [int8_blocks(self.block_bytes[name], self.types[name], self.block_bytes[name].shape[0],
-                               in_features) for name in names]
+        decoded = []
+        for name in names:
+            raw = self.block_bytes[name]  # [out, in/32 * block bytes], read once
+            decoded.append(int8_blocks(raw, self.types[name], raw.shape[0], in_features))
         values = torch.cat([part_values for part_values, _ in decoded])
         if bool((values == -128).any()):  # outside q8's -127..127 (Q8_0 files hold none; a hand-made one might)
             return None
@@ -124,11 +129,15 @@ class TensorStorage:
         """The file's blocks of the row-concatenated tensors ``names`` ([out, in/256 * 144 or 210], [out, in/32 * 22]
         uint8) when ``linear_format`` loads them losslessly (q4 from Q4_K, q5 from Q5_0, q6 from Q6_K bytes), else
         None."""
-        storage_type = LOSSLESS_STORAGE.get(linear_format)
-        if storage_type is None or not all(self.types.get(name) == storage_type and name in self.block_bytes
-                                           for name in names):
+        if not self._keeps_lossless(names, linear_format):
             return None
         return torch.cat([self.block_bytes[name] for name in names])
+
+    def _keeps_lossless(self, names: list[str], linear_format: str) -> bool:
+        """Whether ``linear_format`` loads every one of ``names`` losslessly from bytes kept here (reads none)."""
+        storage_type = LOSSLESS_STORAGE.get(linear_format)
+        return storage_type is not None and all(self.types.get(name) == storage_type and name in self.block_bytes
+                                                for name in names)
 
 
 class RotaryTable:

@@ -106,20 +106,12 @@ def load_gguf(path: str | os.PathLike[str], keep_block_bytes: bool = False) -> C
 
 
 def _gguf_storage(gguf_file: GGUFFile, config: ModelConfig, path: Path, keep_block_bytes: bool) -> TensorStorage:
-    """Each tensor's GGUF type, and (keep_block_bytes) a copy of the bytes of every 2-D Q4_K, Q6_K, Q8_0, Q5_0 and
-    Q4_0 tensor, [out, bytes] uint8, with llama's q/k rows unpermuted as the fp32 tensors are (a row permutation:
-    lossless on blocks)."""
-    storage = TensorStorage()
-    for info in gguf_file.tensors:
-        name = _canonical_gguf_name(info.name, path)
-        type_name = _ggml_type_name(info.ggml_type)
-        storage.types[name] = type_name
-        if keep_block_bytes and type_name in BLOCK_STORAGE and len(info.shape) == 2:
-            # [out, in/256 * 144 (Q4_K) or 210 (Q6_K)], [out, in/32 * 34 (Q8_0), 22 (Q5_0) or 18 (Q4_0)]
-            storage.block_bytes[name] = torch.from_numpy(np.array(gguf_file.tensor_bytes(info)))
-    if config.architecture == "llama":
-        _unpermute_llama_qk(storage.block_bytes, config)
-    return storage
+    """Each tensor's GGUF type, and (keep_block_bytes) the bytes of every 2-D Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 tensor,
+    read from the file when looked up (GGUFBlockBytes)."""
+    types = {_canonical_gguf_name(info.name, path): _ggml_type_name(info.ggml_type) for info in gguf_file.tensors}
+    if not keep_block_bytes:
+        return TensorStorage(types=types)
+    return TensorStorage(types=types, block_bytes=GGUFBlockBytes(gguf_file, config, path))
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
@@ -440,12 +432,7 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
     def __init__(self, gguf_file: GGUFFile, config: ModelConfig, path: Path) -> None:
         self._file, self._config, self._path = gguf_file, config, path
         self._infos = {_canonical_gguf_name(info.name, path): info for info in gguf_file.tensors}  # file order
-        self._llama_heads = {}  # q/k rows llama.cpp interleaved: canonical name -> heads
-        if config.architecture == "llama":
-            for layer in range(config.num_layers):
-                for leaf, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
-                    for suffix in ("", ".bias"):
-                        self._llama_heads[f"layers.{layer}.{leaf}{suffix}"] = heads
+        self._llama_heads = _llama_qk_heads(config) if config.architecture == "llama" else {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         value = _dequantize_gguf_tensor(self._file, self._infos[name], self._path)
@@ -474,6 +461,36 @@ class GGUFTensors(Mapping[str, torch.Tensor]):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._infos[name].shape)
+
+
+class GGUFBlockBytes(Mapping[str, torch.Tensor]):
+    """A GGUF file's 2-D Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 tensors as their raw bytes, [out, in/256 * 144 (Q4_K) or 210
+    (Q6_K)], [out, in/32 * 34 (Q8_0), 22 (Q5_0) or 18 (Q4_0)] uint8, in canonical names, with llama's q/k rows
+    unpermuted as the fp32 tensors are (a row permutation: lossless on blocks). Each read copies the tensor's bytes out
+    of the file into a new tensor, which its reader frees when its layer is built: loading never holds every tensor's
+    bytes beside the layers built from them (Qwen2.5-Coder-1.5B: 1.1 GB)."""
+
+    def __init__(self, gguf_file: GGUFFile, config: ModelConfig, path: Path) -> None:
+        self._file = gguf_file
+        self._infos = {}
+        for info in gguf_file.tensors:
+            if _ggml_type_name(info.ggml_type) in BLOCK_STORAGE and len(info.shape) == 2:
+                self._infos[_canonical_gguf_name(info.name, path)] = info
+        self._llama_heads = _llama_qk_heads(config) if config.architecture == "llama" else {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        raw = torch.from_numpy(np.array(self._file.tensor_bytes(self._infos[name])))  # a copy: the mapping is closed
+        heads = self._llama_heads.get(name)
+        return raw if heads is None else unpermute_rope_rows(raw, heads)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos
+
+    def __iter__(self):
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
 
 
 def _canonical_gguf_name(gguf_name: str, path: Path) -> str:
@@ -635,14 +652,12 @@ _TORCH_DEQUANTIZERS = {
 }
 
 
-def _unpermute_llama_qk(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
-    """Undo llama.cpp's q/k row interleaving so the weights use HF rotate-half rope."""
-    for layer in range(config.num_layers):
-        for leaf, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
-            for suffix in ("", ".bias"):
-                name = f"layers.{layer}.{leaf}{suffix}"
-                if name in tensors:
-                    tensors[name] = unpermute_rope_rows(tensors[name], heads)
+def _llama_qk_heads(config: ModelConfig) -> dict[str, int]:
+    """The q/k tensors whose rows llama.cpp interleaved (canonical name -> heads): see unpermute_rope_rows."""
+    return {f"layers.{layer}.{leaf}{suffix}": heads
+            for layer in range(config.num_layers)
+            for leaf, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads))
+            for suffix in ("", ".bias")}
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
