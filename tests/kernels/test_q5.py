@@ -13,7 +13,7 @@ from tiny_models import random_int8_blocks
 # whole blocks of 32: one block, a tail unit of each size (64 = 2 blocks, 96 = 3 blocks padded to 128), Gemma's 640,
 # Qwen-0.5B's 896, several 512-column groups with tails (2880), a width past the sliced walk (4160)
 WIDTHS = (32, 64, 96, 640, 896, 2880, 4160)
-ROWS = (1, 2, 3, 4, 5, 8, 13, 40, 130)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 13, 40, 130)  # every tile size of the avx2 path (1-8), and several tiles
 
 
 def _random_weight(out_features: int, in_features: int, seed: int) -> q5.Q5Weight:

@@ -1,5 +1,6 @@
 // The int8 linear on the "vnni" weight layout (see linear.h for the layout and the reduction order), AVX2:
-// 4 weight rows x up to 4 activation rows per tile, in passes of 2 weight rows. Included inside namespace avx2 (see q8_kernels.cpp).
+// 4 weight rows x up to 4 activation rows per tile, in passes of 2 weight rows. Included inside namespace avx2 (see
+// q8_kernels.cpp).
 //
 // A unit's 16 lanes are two ymm halves (lanes 0-7 = bytes 0-31 of each 64-byte chunk, lanes 8-15 = bytes
 // 32-63), walked one after the other so that the int32 accumulators of a tile fit in 16 registers. AVX2 has no
@@ -11,6 +12,11 @@
 // fp32 epilogue. Where the CPU has AVX-VNNI (256-bit vpdpbusd, VEX-encoded: Alder Lake and later, Sapphire
 // Rapids), this file is compiled a second time with SPECDEC_AVX_VNNI (namespace avx2_vnni), which takes the unsigned
 // weight bytes and the AVX-512 path's accumulator start as they are.
+
+// Weight rows per pass of a tile of NR weight rows x MR activation rows, so that a pass's int32 accumulators (NP x
+// MR) and weight vectors stay in the 16 registers: 2 up to 4 activation rows, 1 beyond (q5's tiles of 8 rows).
+template <int NR, int MR>
+constexpr int kPassRows = NR < 2 ? NR : (MR > 4 ? 1 : 2);
 
 // lane half h of v: lanes 8h .. 8h + 7
 inline __m256& lanes_half(vf& v, int h) { return h == 0 ? v.lo : v.hi; }
@@ -84,8 +90,7 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
       for (int n = 0; n < NR; ++n)
         _mm_prefetch(reinterpret_cast<const char*>(pf + b0 * 32 * NR + (j * NR + n) * 64), _MM_HINT_T1);
   }
-  // weight rows in passes of NP, so that a pass's accumulators (NP x MR) and weights stay in the 16 registers
-  constexpr int NP = NR < 2 ? NR : 2;
+  constexpr int NP = kPassRows<NR, MR>;
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
 #pragma GCC unroll 2
@@ -138,4 +143,4 @@ __attribute__((always_inline)) inline void finish_tile(const vf (&fa)[NR][MR], c
     }
 }
 
-constexpr int kTileRows = 4;  // activation rows per tile
+constexpr int kTileRows = 4;  // activation rows per tile (q5_avx2.h: 8)

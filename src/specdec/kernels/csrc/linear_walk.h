@@ -62,19 +62,25 @@ template <int NR>
 inline void tile_mr(int mr, const uint8_t* W, const int8_t* X, const int32_t* corr, const float* xs,
                         const Layout& L, const uint16_t* wscale, const float* bias, float* y, int64_t ldy,
                         const uint8_t* pf = nullptr, int64_t u0 = 0, int64_t u1 = 0, vf* partial = nullptr) {
-  static_assert(kTileRows >= 3 && kTileRows <= 4, "the cases below");
+  static_assert(kTileRows >= 1 && kTileRows <= 8, "the cases below");
   const auto rows = [&](auto rows_constant) {
     constexpr int R = decltype(rows_constant)::value;
-    if (partial != nullptr)
-      (tile<NR, R, true>)(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial);
-    else
-      (tile<NR, R, false>)(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr);
+    if constexpr (R <= kTileRows) {
+      if (partial != nullptr)
+        (tile<NR, R, true>)(W, X, corr, xs, L, wscale, bias, y, ldy, pf, u0, u1, partial);
+      else
+        (tile<NR, R, false>)(W, X, corr, xs, L, wscale, bias, y, ldy, pf, 0, L.U, nullptr);
+    }
   };
   switch (mr) {
     case 1: rows(std::integral_constant<int, 1>{}); break;
     case 2: rows(std::integral_constant<int, 2>{}); break;
     case 3: rows(std::integral_constant<int, 3>{}); break;
-    default: rows(std::integral_constant<int, kTileRows>{}); break;
+    case 4: rows(std::integral_constant<int, 4>{}); break;
+    case 5: rows(std::integral_constant<int, 5>{}); break;
+    case 6: rows(std::integral_constant<int, 6>{}); break;
+    case 7: rows(std::integral_constant<int, 7>{}); break;
+    default: rows(std::integral_constant<int, 8>{}); break;
   }
 }
 

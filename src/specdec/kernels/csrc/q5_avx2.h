@@ -1,7 +1,7 @@
 // The q5 linear (see q5_scalar.h for the layout), AVX2: the int8 linear's walk (linear_walk.h, included again in
 // namespace q5_units with q5's own unit) over q5's tiles, each 5-bit weight vector decoded in registers where it is
-// used: q5_units::linear_block with q5's row bytes. Included inside namespace avx2 (and avx2_vnni) after
-// linear_walk.h.
+// used: q5_units::linear_block with q5's row bytes, in tiles of up to 8 activation rows. Included inside namespace
+// avx2 (and avx2_vnni) after linear_walk.h.
 //
 // The integer dots take the unsigned 5-bit values v = q + 16 (0..31) as they are: vpmaddubsw(v, x) adds adjacent
 // products into int16, |pair| <= 2 * 31 * 127 = 7874, and two chunks' pairs add up in int16 (15748) before one
@@ -50,7 +50,7 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
     for (int64_t o = 0; o < NB * 4 * NR; o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(pf + Kp / 2 * NR + b0 * 4 * NR + o), _MM_HINT_T1);
   }
-  constexpr int NP = NR < 2 ? NR : 2;  // weight rows per pass, as the int8 linear's
+  constexpr int NP = kPassRows<NR, MR>;  // weight rows per pass, as the int8 linear's
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
 #pragma GCC unroll 2
@@ -89,6 +89,12 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
     }
   }
 }
+
+// Activation rows per tile: 8, where the int8 linear's are 4. Each 5-bit weight vector is decoded in registers once
+// per pass, so a tile of 8 rows (one weight row per pass, kPassRows) decodes the weights once for 5 to 8 rows, where
+// two blocks of 4 would decode them twice. The int8, q4 and q6 units, whose weights cost little or nothing to decode,
+// run faster in blocks of 4 rows with 2 weight rows per pass (docs/kernels.md, "Tile rows on avx2").
+constexpr int kTileRows = 8;
 
 // the int8 linear's walk with this unit: linear_block (called with q5's row bytes), full_tile, plain_row, tile_mr and
 // tile over q5 tiles
