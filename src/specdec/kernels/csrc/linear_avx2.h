@@ -71,6 +71,28 @@ __attribute__((always_inline)) inline void add_scaled_lanes(const __m256i (&ia)[
   }
 }
 
+// The passes of a unit (NB blocks from b0, unit index u) over its two lane halves and its weight rows, NP =
+// kPassRows<NR, MR> at a time: each pass's int32 accumulators start at the rows' lane corrections (start_lanes),
+// dots(h, n0, ia) adds the exact dots of lanes 8h .. 8h + 7 of weight rows n0 .. n0 + NP - 1 into them, and the
+// scale epilogue adds them into fa (add_scaled_lanes). The int8 unit below and q5's (q5_avx2.h) differ only in
+// their dots.
+template <int NR, int MR, int NB, class Dots>
+__attribute__((always_inline)) inline void unit_passes(const int32_t* corr, const float* xs, int64_t ldc,
+                                                       int64_t ldw, int64_t u, int64_t b0, const uint16_t* wscale,
+                                                       vf (&fa)[NR][MR], const Dots& dots) {
+  constexpr int NP = kPassRows<NR, MR>;
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 2
+    for (int n0 = 0; n0 < NR; n0 += NP) {
+      __m256i ia[NP][MR];
+      start_lanes<NP, MR>(corr, ldc, u, h, ia);
+      dots(h, n0, ia);
+      add_scaled_lanes<NR, NP, MR, NB>(ia, wscale, ldw, b0, xs, ldc, u, h, n0, fa);
+    }
+  }
+}
+
 // One unit of NB blocks starting at block b0 (unit index u), both lane halves: the exact int32 dots of its
 // blocks per lane, then one scale epilogue adds them into fa, lane by lane as unit() of the AVX-512 path.
 template <int NR, int MR, int NB>
@@ -91,42 +113,36 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
         _mm_prefetch(reinterpret_cast<const char*>(pf + b0 * 32 * NR + (j * NR + n) * 64), _MM_HINT_T1);
   }
   constexpr int NP = kPassRows<NR, MR>;
-#pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {
-#pragma GCC unroll 2
-    for (int n0 = 0; n0 < NR; n0 += NP) {
-      __m256i ia[NP][MR];
-      start_lanes<NP, MR>(corr, ldc, u, h, ia);
+  unit_passes<NR, MR, NB>(corr, xs, ldc, ldw, u, b0, wscale, fa,
+                          [&](int h, int n0, __m256i (&ia)[NP][MR]) __attribute__((always_inline)) {
 #pragma GCC unroll 8
-      for (int j = 0; j < NB / 2; ++j) {
-        __m256i w[NP], w_abs[NP];
+    for (int j = 0; j < NB / 2; ++j) {
+      __m256i w[NP], w_abs[NP];
+#pragma GCC unroll 2
+      for (int q = 0; q < NP; ++q) {
+        w[q] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (j * NR + n0 + q) * 64 + 32 * h)), flip);
+        w_abs[q] = _mm256_abs_epi8(w[q]);
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * Kp + j * 64 + 32 * h));
 #pragma GCC unroll 2
         for (int q = 0; q < NP; ++q) {
-          w[q] = _mm256_xor_si256(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (j * NR + n0 + q) * 64 + 32 * h)), flip);
-          w_abs[q] = _mm256_abs_epi8(w[q]);
-        }
-#pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * Kp + j * 64 + 32 * h));
-#pragma GCC unroll 2
-          for (int q = 0; q < NP; ++q) {
 #ifdef SPECDEC_AVX_VNNI
-            // the unsigned weight bytes q + 128 as the AVX-512 path uses them (w[q] ^ 0x80 undone)
-            ia[q][m] = _mm256_dpbusd_avx_epi32(ia[q][m], _mm256_xor_si256(w[q], flip), x);
+          // the unsigned weight bytes q + 128 as the AVX-512 path uses them (w[q] ^ 0x80 undone)
+          ia[q][m] = _mm256_dpbusd_avx_epi32(ia[q][m], _mm256_xor_si256(w[q], flip), x);
 #else
-            const __m256i pairs = _mm256_maddubs_epi16(w_abs[q], _mm256_sign_epi8(x, w[q]));
-            ia[q][m] = _mm256_add_epi32(ia[q][m], _mm256_madd_epi16(pairs, ones));
+          const __m256i pairs = _mm256_maddubs_epi16(w_abs[q], _mm256_sign_epi8(x, w[q]));
+          ia[q][m] = _mm256_add_epi32(ia[q][m], _mm256_madd_epi16(pairs, ones));
 #endif
-            // keep the accumulator in its register: left free, the compiler reassociated the additions of the
-            // unrolled steps into trees of products held in spilled registers (7x slower at 8 rows)
-            asm("" : "+x"(ia[q][m]));
-          }
+          // keep the accumulator in its register: left free, the compiler reassociated the additions of the
+          // unrolled steps into trees of products held in spilled registers (7x slower at 8 rows)
+          asm("" : "+x"(ia[q][m]));
         }
       }
-      add_scaled_lanes<NR, NP, MR, NB>(ia, wscale, ldw, b0, xs, ldc, u, h, n0, fa);
     }
-  }
+  });
 }
 
 // The tile's end: y[m][n] = hsum16(fa[n][m]) (+ bias[n]).

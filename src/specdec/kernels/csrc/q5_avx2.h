@@ -51,43 +51,37 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
       _mm_prefetch(reinterpret_cast<const char*>(pf + Kp / 2 * NR + b0 * 4 * NR + o), _MM_HINT_T1);
   }
   constexpr int NP = kPassRows<NR, MR>;  // weight rows per pass, as the int8 linear's
-#pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {
-#pragma GCC unroll 2
-    for (int n0 = 0; n0 < NR; n0 += NP) {
-      __m256i ia[NP][MR];
-      start_lanes<NP, MR>(corr, ldc, u, h, ia);
+  unit_passes<NR, MR, NB>(corr, xs, ldc, ldw, u, b0, wscale, fa,
+                          [&](int h, int n0, __m256i (&ia)[NP][MR]) __attribute__((always_inline)) {
 #pragma GCC unroll 8
-      for (int j = 0; j < NB / 2; j += 2) {  // two chunks a step (one in a unit of 2 blocks)
-        __m256i v[NP][2];
+    for (int j = 0; j < NB / 2; j += 2) {  // two chunks a step (one in a unit of 2 blocks)
+      __m256i v[NP][2];
 #pragma GCC unroll 2
-        for (int q = 0; q < NP; ++q)
+      for (int q = 0; q < NP; ++q)
 #pragma GCC unroll 2
-          for (int s = 0; s < 2 && j + s < NB / 2; ++s)
-            v[q][s] = q5_vector(nibbles + ((j + s) * NR + n0 + q) * 32, fifth_bits + ((j + s) * NR + n0 + q) * 8, h);
+        for (int s = 0; s < 2 && j + s < NB / 2; ++s)
+          v[q][s] = q5_vector(nibbles + ((j + s) * NR + n0 + q) * 32, fifth_bits + ((j + s) * NR + n0 + q) * 8, h);
 #pragma GCC unroll 4
-        for (int m = 0; m < MR; ++m) {
-          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * Kp + j * 64 + 32 * h));
-          const bool two = j + 1 < NB / 2;
-          const __m256i x1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * Kp + (j + 1) * 64 + 32 * h))
-                                 : _mm256_setzero_si256();
+      for (int m = 0; m < MR; ++m) {
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * Kp + j * 64 + 32 * h));
+        const bool two = j + 1 < NB / 2;
+        const __m256i x1 = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * Kp + (j + 1) * 64 + 32 * h))
+                               : _mm256_setzero_si256();
 #pragma GCC unroll 2
-          for (int q = 0; q < NP; ++q) {
+        for (int q = 0; q < NP; ++q) {
 #ifdef SPECDEC_AVX_VNNI
-            ia[q][m] = _mm256_dpbusd_avx_epi32(ia[q][m], v[q][0], x0);
-            if (two) ia[q][m] = _mm256_dpbusd_avx_epi32(ia[q][m], v[q][1], x1);
+          ia[q][m] = _mm256_dpbusd_avx_epi32(ia[q][m], v[q][0], x0);
+          if (two) ia[q][m] = _mm256_dpbusd_avx_epi32(ia[q][m], v[q][1], x1);
 #else
-            __m256i pairs = _mm256_maddubs_epi16(v[q][0], x0);
-            if (two) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[q][1], x1));
-            ia[q][m] = _mm256_add_epi32(ia[q][m], _mm256_madd_epi16(pairs, ones));
+          __m256i pairs = _mm256_maddubs_epi16(v[q][0], x0);
+          if (two) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[q][1], x1));
+          ia[q][m] = _mm256_add_epi32(ia[q][m], _mm256_madd_epi16(pairs, ones));
 #endif
-            asm("" : "+x"(ia[q][m]));  // the accumulator stays in its register (see linear_avx2.h)
-          }
+          asm("" : "+x"(ia[q][m]));  // the accumulator stays in its register (see linear_avx2.h)
         }
       }
-      add_scaled_lanes<NR, NP, MR, NB>(ia, wscale, ldw, b0, xs, ldc, u, h, n0, fa);
     }
-  }
+  });
 }
 
 // Activation rows per tile: 8, where the int8 linear's are 4. Each 5-bit weight vector is decoded in registers once
