@@ -1,6 +1,6 @@
 // The int8 linear on the "vnni" weight layout (see linear.h for the layout and the reduction order), AVX2:
-// 4 weight rows x up to 4 activation rows per tile, in passes of 2 weight rows. Included inside namespace avx2 (see
-// q8_kernels.cpp).
+// 4 weight rows x up to 5 activation rows per tile, in passes of 2 weight rows (1 at 5 rows). Included inside namespace
+// avx2 (see q8_kernels.cpp).
 //
 // A unit's 16 lanes are two ymm halves (lanes 0-7 = bytes 0-31 of each 64-byte chunk, lanes 8-15 = bytes
 // 32-63), walked one after the other so that the int32 accumulators of a tile fit in 16 registers. AVX2 has no
@@ -14,7 +14,8 @@
 // weight bytes and the AVX-512 path's accumulator start as they are.
 
 // Weight rows per pass of a tile of NR weight rows x MR activation rows, so that a pass's int32 accumulators (NP x
-// MR) and weight vectors stay in the 16 registers: 2 up to 4 activation rows, 1 beyond (q5's tiles of 8 rows).
+// MR) and weight vectors stay in the 16 registers: 2 up to 4 activation rows, 1 beyond (the int8 tiles of 5 rows,
+// q5's of 8).
 template <int NR, int MR>
 constexpr int kPassRows = NR < 2 ? NR : (MR > 4 ? 1 : 2);
 
@@ -159,4 +160,8 @@ __attribute__((always_inline)) inline void finish_tile(const vf (&fa)[NR][MR], c
     }
 }
 
-constexpr int kTileRows = 4;  // activation rows per tile (q5_avx2.h: 8)
+// Activation rows per tile: 5, the rows of a block split evenly over its tiles (linear_walk.h's tile_rows: 6 rows as
+// 3 + 3, 10 as 5 + 5). A verify block of 5 rows is then one pass over the weights, where tiles of 4 made it 4 + 1: a
+// second pass whose one row cost most of a 4-row tile (docs/kernels.md, "Tile rows on avx2"). q5_avx2.h: 8.
+constexpr int kTileRows = 5;
+constexpr bool kBalancedTiles = true;

@@ -109,3 +109,4 @@ __attribute__((always_inline)) inline void finish_tile(const vf (&fa)[NR][MR], c
 }
 
 constexpr int kTileRows = 3;  // activation rows per tile
+constexpr bool kBalancedTiles = false;  // a block's rows in tiles of 3 from its first (linear_walk.h's tile_rows)

@@ -1,8 +1,9 @@
 // The walk of the int8 linear over the "vnni" layout, the same for every vector path: weight rows in tiles of 4
-// (the last N % 4 as single rows), each tile over blocks of up to kTileRows activation rows, wide tiles in K slices.
+// (the last N % 4 as single rows), each tile over blocks of up to kTileRows activation rows (tile_rows), wide tiles in
+// K slices.
 // Included inside namespace avx512 and namespace avx2 after their linear_*.h, which define unit<NR, MR, NB> (one
-// unit of K into the accumulators), finish_tile<NR, MR> (the tile's sums) and kTileRows; and again inside
-// namespace q5_units of q5_avx2.h, with q5's own unit. The walk calls its functions as (f)(...): without
+// unit of K into the accumulators), finish_tile<NR, MR> (the tile's sums), kTileRows and kBalancedTiles; and again
+// inside namespace q5_units of q5_avx2.h, with q5's own unit. The walk calls its functions as (f)(...): without
 // argument-dependent lookup, which would also find the enclosing namespace's walk through the argument types.
 
 // NR weight rows x MR activation rows over the units [u0, u1) of K. The accumulators start at zero when u0 == 0
@@ -56,6 +57,16 @@ __attribute__((always_inline)) inline void tile(const uint8_t* W, const int8_t* 
   finish_tile<NR, MR>(fa, bias, y, ldy);
 }
 
+// the rows of the next tile when `left` activation rows remain: kTileRows at most; with kBalancedTiles, the rows
+// split as evenly as tiles of up to kTileRows allow (6 as 3 + 3, not 5 + 1)
+inline int tile_rows(int64_t left) {
+  if constexpr (kBalancedTiles) {
+    const int64_t tiles = (left + kTileRows - 1) / kTileRows;
+    return static_cast<int>((left + tiles - 1) / tiles);
+  }
+  return static_cast<int>(std::min<int64_t>(kTileRows, left));
+}
+
 // mr activation rows (1 .. kTileRows) of a tile; partial == nullptr: the whole of K (u0, u1 unused), else the
 // units [u0, u1) of a K-sliced walk (see tile).
 template <int NR>
@@ -88,10 +99,10 @@ inline void tile_mr(int mr, const uint8_t* W, const int8_t* X, const int32_t* co
 inline void plain_row(const uint8_t* Wr, const int8_t* X, const int32_t* corr, const float* xs, const Layout& L,
                       const uint16_t* wscale, const float* bias, float* y, int64_t N, int64_t m0, int64_t m1) {
   const int64_t ldc = L.U * 16;
-  constexpr int MR = kTileRows;
-  for (int64_t m = m0; m < m1; m += MR) {
-    const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+  for (int64_t m = m0; m < m1;) {
+    const int mr = tile_rows(m1 - m);
     (tile_mr<1>)(mr, Wr, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale, bias, y + m * N, N);
+    m += mr;
   }
 }
 
@@ -105,7 +116,6 @@ inline void full_tile(const uint8_t* Wt, const uint8_t* pf, const int8_t* X, con
                       int64_t m1) {
   const int64_t ldc = L.U * 16;
   constexpr int NR = 4;
-  constexpr int MR = kTileRows;
   // units per K slice: whole groups of 16 blocks (512 bytes per row); the tail units go with the last slice
   const int64_t slice_units = NR * L.Kp > kSliceBytes && m1 - m0 > 1 && m1 - m0 <= kMaxSlicedRows
                                   ? std::max<int64_t>(1, kSliceBytes / (NR * kGroup))
@@ -113,10 +123,11 @@ inline void full_tile(const uint8_t* Wt, const uint8_t* pf, const int8_t* X, con
   alignas(64) vf partial[kMaxSlicedRows * NR];
   for (int64_t u0 = 0; u0 < L.U; u0 += slice_units) {
     const int64_t u1 = u0 + slice_units >= L.G ? L.U : u0 + slice_units;
-    for (int64_t m = m0; m < m1; m += MR) {
-      const int mr = static_cast<int>(std::min<int64_t>(MR, m1 - m));
+    for (int64_t m = m0; m < m1;) {
+      const int mr = tile_rows(m1 - m);
       (tile_mr<NR>)(mr, Wt, X + m * L.Kp, corr + m * ldc, xs + m * ldc, L, wscale, bias, y + m * N, N, pf, u0, u1,
                   slice_units < L.U ? partial + (m - m0) * NR : nullptr);
+      m += mr;
     }
     if (u1 == L.U) break;
   }

@@ -84,11 +84,13 @@ __attribute__((always_inline)) inline void unit(const uint8_t* W, const int8_t* 
   });
 }
 
-// Activation rows per tile: 8, where the int8 linear's are 4. Each 5-bit weight vector is decoded in registers once
+// Activation rows per tile: 8, where the int8 linear's are 5. Each 5-bit weight vector is decoded in registers once
 // per pass, so a tile of 8 rows (one weight row per pass, kPassRows) decodes the weights once for 5 to 8 rows, where
 // two blocks of 4 would decode them twice. The int8, q4 and q6 units, whose weights cost little or nothing to decode,
-// run faster in blocks of 4 rows with 2 weight rows per pass (docs/kernels.md, "Tile rows on avx2").
+// run faster in blocks of 4 or 5 rows (docs/kernels.md, "Tile rows on avx2"). Blocks of more than 8 rows take tiles
+// of 8 first (kBalancedTiles false: 12 rows as 8 + 4).
 constexpr int kTileRows = 8;
+constexpr bool kBalancedTiles = false;
 
 // the int8 linear's walk with this unit: linear_block (called with q5's row bytes), full_tile, plain_row, tile_mr and
 // tile over q5 tiles
