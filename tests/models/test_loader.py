@@ -14,6 +14,7 @@ from specdec.models import loader
 from specdec.models.catalog import models_dir
 from specdec.models.loader import (ModelLoadError, load_checkpoint, load_gguf, load_hf_dir, load_tokenizer,
                                    read_gguf_file)
+from real_models import one_gguf_reader
 from tiny_models import tiny_config, write_tiny_tokenizer
 
 
@@ -137,7 +138,8 @@ def test_llama_qk_unpermuted_like_transformers(real_checkpoints) -> None:
     from transformers import AutoModelForCausalLM
 
     path = real_model_path("smollm2-135m-instruct")
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with one_gguf_reader():
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     ours = real_checkpoints("smollm2-135m-instruct").tensors
     for layer in (0, 17):
         attention = model.model.layers[layer].self_attn

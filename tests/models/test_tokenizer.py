@@ -9,6 +9,7 @@ import pytest
 from specdec.models.catalog import models_dir
 from specdec.models.loader import read_gguf_file
 from specdec.models.tokenizer import GEMMA3_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
+from real_models import one_gguf_reader
 from tiny_models import write_tiny_tokenizer
 
 REAL_TOKENIZER_MODELS = ("gemma-3-270m", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
@@ -61,7 +62,8 @@ def tokenizer_pair(request):
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             from transformers import AutoTokenizer
 
-            reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+            with one_gguf_reader():
+                reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
             cache[name] = (Tokenizer.from_gguf(read_gguf_file(path).metadata), reference)
         return cache[name]
 
