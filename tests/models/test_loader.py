@@ -11,18 +11,10 @@ import pytest
 import torch
 
 from specdec.models import loader
-from specdec.models.catalog import models_dir
 from specdec.models.loader import (ModelLoadError, load_checkpoint, load_gguf, load_hf_dir, load_tokenizer,
                                    read_gguf_file)
-from real_models import one_gguf_reader
+from real_models import one_gguf_reader, real_model_path
 from tiny_models import tiny_config, write_tiny_tokenizer
-
-
-def real_model_path(name: str) -> Path:
-    path = models_dir() / f"{name}.gguf"
-    if not path.is_file():
-        pytest.fail(f"missing {path}: run `specdec pull {name}`")
-    return path
 
 
 # ------------------------------------------------------------------------------------------------- real files
