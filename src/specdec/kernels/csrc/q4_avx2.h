@@ -1,5 +1,5 @@
-// The q4 linear (see q4_scalar.h for the layout and the reduction order), AVX2: 4 weight rows x up to 4 activation
-// rows per tile, walked in passes of 2 weight rows over each lane half (lanes 0-7 = bytes 0-31 of every 64-byte
+// The q4 linear (see q4_scalar.h for the layout and the reduction order), AVX2: 4 weight rows x up to 5 activation
+// rows per tile, walked in passes of 2 weight rows (1 at 5 rows: kPassRows) over each lane half (lanes 0-7 = bytes 0-31 of every 64-byte
 // chunk, lanes 8-15 = bytes 32-63), so that a pass's accumulators fit in the 16 registers. Included inside
 // namespace avx2 after linear_avx2.h (finish_tile), before block_walk.h.
 //
@@ -44,7 +44,7 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
                                                    const int8_t* X, const float* xs, const float* xsum, int64_t K,
                                                    int64_t ldc, int64_t u, const uint8_t* pf, vf (&fa)[NR][MR]) {
   constexpr int kChunks = NB / 4;
-  constexpr int NP = NR < 2 ? NR : 2;  // weight rows per pass
+  constexpr int NP = kPassRows<NR, MR>;  // weight rows per pass
   const int64_t b0 = 16 * u;
   const uint8_t* wp = W + b0 * 16 * NR;  // the unit's first chunk
   const int8_t* xp = X + b0 * 32;
@@ -64,7 +64,7 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
       __m256i pair_sums[NP][MR];  // int16 sums of the unit's vpmaddubsw pairs (with AVX-VNNI: the int32 lane dots)
 #pragma GCC unroll 2
       for (int q = 0; q < NP; ++q)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) pair_sums[q][m] = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int j = 0; j < kChunks; ++j) {
@@ -76,7 +76,7 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
           w_low[q] = _mm256_and_si256(packed, low_nibble);
           w_high[q] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibble);
         }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
           const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K + j * 64 + 32 * h));
           const __m256i x_high =
@@ -100,7 +100,7 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
       for (int q = 0; q < NP; ++q) {
         __m256 ws, wm;
         q4_lane_scales<NB>(scales + (n0 + q) * scale_row_bytes + kQ4UnitScaleBytes * u, h, ws, wm);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
 #ifdef SPECDEC_AVX_VNNI
           const __m256i idot = pair_sums[q][m];
@@ -116,3 +116,7 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
     }
   }
 }
+
+// Activation rows per tile (block_walk.h): 5, so that a verify block of 5 rows is one pass over the weights (tiles of
+// 4 made it 4 + 1, the lone row costing most of a 4-row tile), in passes of 1 weight row (kPassRows).
+constexpr int kQ4TileRows = 5;

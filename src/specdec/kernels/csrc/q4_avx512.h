@@ -92,3 +92,6 @@ __attribute__((always_inline)) inline void q4_unit(const uint8_t* W, const uint8
     }
   }
 }
+
+// Activation rows per tile (block_walk.h): 4, filled from a block's first row.
+constexpr int kQ4TileRows = 4;

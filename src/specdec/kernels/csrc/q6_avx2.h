@@ -1,4 +1,4 @@
-// The q6 linear (see q6_scalar.h for the layout and the reduction order), AVX2: 4 weight rows x up to 4 activation
+// The q6 linear (see q6_scalar.h for the layout and the reduction order), AVX2: 4 weight rows x up to 5 activation
 // rows per tile, walked one weight row at a time over each lane half (lanes 0-7 = bytes 0-31 of every 64-byte
 // chunk, lanes 8-15 = bytes 32-63), so that a pass's registers fit in the 16. Included inside namespace avx2 after
 // linear_avx2.h (finish_tile), before block_walk.h.
@@ -35,7 +35,7 @@ __attribute__((always_inline)) inline void q6_unit(const uint8_t* W, const uint8
 #pragma GCC unroll 4
     for (int n = 0; n < NR; ++n) {
       __m256i idot[MR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int m = 0; m < MR; ++m)
         idot[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + m * ldc + u * 16 + 8 * h));
       const __m256i high_bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (2 * NR + n) * 64 + 32 * h));
@@ -46,7 +46,7 @@ __attribute__((always_inline)) inline void q6_unit(const uint8_t* W, const uint8
         const __m256i pairs = _mm256_and_si256(c == 0 ? high_bits : _mm256_srli_epi16(high_bits, 2), pairs_mask);
         const __m256i w_low = q6_select_nibbles(nibbles, _mm256_slli_epi16(pairs, 4));
         const __m256i w_high = q6_select_nibbles(_mm256_srli_epi16(nibbles, 4), pairs);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
           const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K + c * 64 + 32 * h));
           const __m256i x_high =
@@ -68,7 +68,7 @@ __attribute__((always_inline)) inline void q6_unit(const uint8_t* W, const uint8
       std::memcpy(&d_bits, unit_scales + 16, sizeof(d_bits));
       const __m256 d = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(d_bits))));
       const __m256 ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const __m256 s = _mm256_mul_ps(ws, _mm256_loadu_ps(xs + m * ldc + u * 16 + 8 * h));
         __m256& acc = lanes_half(fa[n][m], h);
@@ -77,3 +77,7 @@ __attribute__((always_inline)) inline void q6_unit(const uint8_t* W, const uint8
     }
   }
 }
+
+// Activation rows per tile (block_walk.h): 5, as q4's; a block's rows split evenly over its tiles (8 as 4 + 4).
+constexpr int kQ6TileRows = 5;
+constexpr bool kBlockBalancedTiles = true;

@@ -74,3 +74,7 @@ __attribute__((always_inline)) inline void q6_unit(const uint8_t* W, const uint8
     }
   }
 }
+
+// Activation rows per tile (block_walk.h): 4, filled from a block's first row.
+constexpr int kQ6TileRows = 4;
+constexpr bool kBlockBalancedTiles = false;
