@@ -6,10 +6,9 @@ import os
 
 import pytest
 
-from specdec.models.catalog import models_dir
 from specdec.models.loader import read_gguf_file
 from specdec.models.tokenizer import GEMMA3_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
-from real_models import one_gguf_reader
+from real_models import one_gguf_reader, real_model_path
 from tiny_models import write_tiny_tokenizer
 
 REAL_TOKENIZER_MODELS = ("gemma-3-270m", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
@@ -44,13 +43,6 @@ MESSAGES = [
 ]
 
 
-def real_model_path(name: str) -> str:
-    path = models_dir() / f"{name}.gguf"
-    if not path.is_file():
-        pytest.fail(f"missing {path}: run `specdec pull {name}`")
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def tokenizer_pair(request):
     """(ours, transformers') for one real GGUF, cached per model."""
@@ -63,7 +55,7 @@ def tokenizer_pair(request):
             from transformers import AutoTokenizer
 
             with one_gguf_reader():
-                reference = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+                reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
             cache[name] = (Tokenizer.from_gguf(read_gguf_file(path).metadata), reference)
         return cache[name]
 
