@@ -80,9 +80,11 @@ def test_q5_0_and_q8_0_parts_of_a_fused_layer_run_side_by_side():
     assert isinstance(q8_part.quantized, QuantizedWeight)
 
 
-def test_int8_storage_loads_as_q8_exactly_and_q5_gives_its_bits():
+def test_int8_storage_loads_as_q8_exactly_and_q5_gives_its_bits(monkeypatch):
     """Q8_0 and Q5_0 tensors keep their values in q8 (TensorStorage.exact_int8); a q5 layer of the same Q5_0 bytes
-    gives the q8 layer's output bit for bit, so auto (q8) and q5 agree."""
+    gives the q8 layer's output bit for bit, so auto (q8) and q5 agree. q5 reduces in the vnni layout's order, so
+    the q8 layer is packed in that layout (the amx layout, the amx path's default, reduces in another order)."""
+    monkeypatch.setenv("SPECDEC_Q8_LAYOUT", "vnni")
     storage, tensors = _storage({"q": "Q5_0", "k": "Q5_0", "v": "Q8_0"})
     raw = random_int8_blocks("Q8_0", 8, IN_FEATURES, seed=7)
     storage.block_bytes["v"] = torch.from_numpy(raw)
@@ -242,10 +244,11 @@ def test_a_linear_without_its_weight_needs_the_files_data():
 
 
 @pytest.mark.skipif(not kernels_available(), reason="the kernel paths need the compiled extension")
-def test_auto_loads_q5_0_layers_per_path_with_the_same_logits():
+def test_auto_loads_q5_0_layers_per_path_with_the_same_logits(monkeypatch):
     """A model whose every linear layer is stored as Q5_0, loaded under auto on each kernel path the CPU runs: q5
     layers on the avx2 path (q8 where it runs its AVX-VNNI variant), q8 layers elsewhere, and the same logits bit for
-    bit on every path."""
+    bit on every path. The amx path packs its q8 layers in the amx layout, which reduces in another order: its
+    logits are those of the same model on the scalar path, and with the vnni layout those of every other path."""
     config, tensors, storage = _tiny_q5_0_model()
     logits = {}
     for isa in supported_isas():
@@ -255,6 +258,14 @@ def test_auto_loads_q5_0_layers_per_path_with_the_same_logits():
             logits[isa] = _logits(model)
         assert {layer.gate_up_proj.format for layer in model.layers} == {expected}, isa
         assert {layer.qkv_proj.format for layer in model.layers} == {expected}, isa
+        layout = model.layers[0].gate_up_proj.quantized.layout if expected == "q8" else "vnni"
+        assert layout == ("amx" if isa == "amx" else "vnni"), isa
+        if layout == "amx":
+            with forced_isa("scalar"):
+                assert torch.equal(_logits(model), logits[isa])
+            with monkeypatch.context() as vnni_layout, forced_isa(isa):
+                vnni_layout.setenv("SPECDEC_Q8_LAYOUT", "vnni")
+                logits[isa] = _logits(Transformer(config, tensors, "auto", storage=storage))
     assert "avx2" in logits  # every CPU these tests run on has the avx2 path
     for isa, isa_logits in logits.items():
         assert torch.equal(isa_logits, logits["scalar"]), isa

@@ -56,14 +56,16 @@ def test_qwen_1_5b_mixed_qkv_runs_as_lossless_q4_and_q6_parts():
     assert mixed == 14
 
 
-def test_gemma_q5_runs_its_q5_0_layers_as_q5_with_autos_bits():
+def test_gemma_q5_runs_its_q5_0_layers_as_q5_with_autos_bits(monkeypatch):
     """Gemma-3-270M's Q5_0 layers (q/k and gate/up, 640 inputs) and Q8_0 layers (v in half the layers, the embedding
     table and tied output layer) carry the file's values exactly: as q8 under auto off the avx2 path, as q5 (Q5_0)
     under weight_format="q5" and under auto on the avx2 path, in a third fewer bytes; all give the same logits bit for
-    bit."""
+    bit. q5 reduces in the vnni layout's order, so every q8 layer here is packed in that layout (the amx path's
+    default, the amx layout, reduces in another order)."""
+    monkeypatch.setenv("SPECDEC_Q8_LAYOUT", "vnni")
     real_model_path("gemma-3-270m")
     checkpoint = load_checkpoint(model_path("gemma-3-270m"), keep_block_bytes=True)
-    with forced_isa("scalar"):  # auto as it loads off the avx2 path (the q8 layout runs on every path)
+    with forced_isa("scalar"):  # auto as it loads off the avx2 path (the vnni layout runs on every path)
         auto = Transformer(checkpoint.config, checkpoint.tensors, "auto", storage=checkpoint.storage)
     small = Transformer(checkpoint.config, checkpoint.tensors, "q5", storage=checkpoint.storage)
     q5_parts = 0
