@@ -14,10 +14,11 @@ def cpu(monkeypatch):
     monkeypatch.delenv("SPECDEC_KERNEL_ISA", raising=False)
     monkeypatch.delenv("SPECDEC_DISABLE_KERNELS", raising=False)
 
-    def pretend(isa: str, supported: tuple[str, ...]) -> None:
+    def pretend(isa: str, supported: tuple[str, ...], avx_vnni: bool = False) -> None:
         monkeypatch.setattr(ops, "kernel_isa", lambda: isa)
         monkeypatch.setattr(ops, "supported_isas", lambda: supported)
         monkeypatch.setattr(ops, "kernel_build_id", lambda: "torch" if isa == "torch" else f"q8-0123456789abcdef-{isa}")
+        monkeypatch.setattr(ops, "avx_vnni_active", lambda: avx_vnni)
 
     return pretend
 
@@ -31,8 +32,26 @@ def test_a_simd_path_is_named_without_a_warning(cpu):
     assert report.to_dict() == {"kernel_isa": "avx512", "supported_kernel_isas": ["scalar", "avx2", "avx512"],
                                 "kernel_weights": "q8 vnni layout", "kernel_threads": threads,
                                 "kernel_build": "q8-0123456789abcdef-avx512", "kernel_warning": None,
-                                "bit_exact": True}
+                                "bit_exact": True, "kernel_avx_vnni": False}
     assert kernel_report(weight_format="fp32").line().startswith("[kernels: avx512 (fp32), ")
+
+
+def test_the_avx2_paths_avx_vnni_variant_is_named(cpu):
+    cpu("avx2", ("scalar", "avx2", "avx512"), avx_vnni=True)
+    report = kernel_report()
+    assert report.line().startswith("[kernels: avx2 with AVX-VNNI (q8 vnni layout), ")
+    assert report.to_dict()["kernel_avx_vnni"] is True and report.warning is None
+    cpu("avx2", ("scalar", "avx2", "avx512"))
+    assert kernel_report().line().startswith("[kernels: avx2 (q8 vnni layout), ")
+
+
+@pytest.mark.skipif(not ops.kernels_available(), reason="the kernel paths need the compiled extension")
+def test_the_build_id_keys_the_avx_vnni_variant_apart():
+    """Cost profiles are keyed by the build id: the AVX-VNNI variant of the avx2 path has costs of its own."""
+    with ops.forced_isa("avx2"):
+        assert ops.kernel_build_id().endswith("-avx2-vnni" if ops.avx_vnni_active() else "-avx2")
+    with ops.forced_isa("scalar"):
+        assert ops.kernel_build_id().endswith("-scalar") and not ops.avx_vnni_active()
 
 
 def test_the_scalar_path_on_a_cpu_without_avx2_says_why_and_what_it_costs(cpu):

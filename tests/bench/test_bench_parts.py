@@ -158,3 +158,12 @@ def test_kernel_bench_compares_the_weight_layouts(capsys):
     assert "q8-vnni" in out and "q8-amx" in out
     with pytest.raises(SystemExit):
         kernel_bench.main(["--layouts", "tiles"])
+
+
+def test_the_reports_kernel_line_names_the_path_its_variant_and_a_warning():
+    from specdec.bench.report import _kernels_text
+
+    assert _kernels_text({}) == ""  # results written before the kernel path was recorded
+    assert _kernels_text({"kernel_isa": "avx512", "kernel_warning": None}) == ", kernel path avx512"
+    assert _kernels_text({"kernel_isa": "avx2", "kernel_avx_vnni": True}) == ", kernel path avx2 with AVX-VNNI"
+    assert _kernels_text({"kernel_isa": "scalar", "kernel_warning": "slow"}) == ", kernel path scalar (**slow**)"

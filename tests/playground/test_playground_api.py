@@ -53,7 +53,7 @@ def test_spec_info(playground_server):
                     "num_speculative_tokens": 4, "per_request_k": False}
     # tests/server/test_server_kernel_info.py checks their values
     assert set(kernels) == {"kernel_isa", "supported_kernel_isas", "kernel_weights", "kernel_threads", "kernel_build",
-                            "kernel_warning", "bit_exact"}
+                            "kernel_warning", "bit_exact", "kernel_avx_vnni"}
 
 
 @pytest.mark.parametrize(

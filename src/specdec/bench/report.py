@@ -220,7 +220,8 @@ def _kernels_text(meta: dict[str, Any]) -> str:
     if "kernel_isa" not in meta:
         return ""
     warning = f" (**{meta['kernel_warning']}**)" if meta.get("kernel_warning") else ""
-    return f", kernel path {meta['kernel_isa']}{warning}"
+    variant = " with AVX-VNNI" if meta.get("kernel_avx_vnni") else ""
+    return f", kernel path {meta['kernel_isa']}{variant}{warning}"
 
 
 def _mismatch_text(results: dict[str, Any]) -> str:

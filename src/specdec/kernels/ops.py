@@ -168,14 +168,15 @@ def forced_isa(name: str):
 
 def kernel_build_id() -> str:
     """Which kernels run: 'q8-<hash of source, torch version and flags>-<isa>' of the extension this process
-    loaded, else 'torch' (fallback). Measured cost profiles are keyed by it, so a changed kernel or another ISA
-    path is profiled again. It names the loaded build, not the source on disk: a process that outlives an edit of
-    the source must not file what its old kernels measure under the new build's key."""
+    loaded ('-avx2-vnni' where the avx2 path runs its AVX-VNNI variant), else 'torch' (fallback). Measured cost
+    profiles are keyed by it, so a changed kernel or another ISA path is profiled again. It names the loaded build,
+    not the source on disk: a process that outlives an edit of the source must not file what its old kernels
+    measure under the new build's key."""
     ext = _load()
     if ext is None:
         return "torch"
     digest = getattr(ext, "build_digest", None) or ext.__name__.removeprefix("specdec_q8_")
-    return "q8-" + digest + "-" + ext.isa()
+    return "q8-" + digest + "-" + ext.isa() + ("-vnni" if avx_vnni_active() else "")
 
 
 def parallel_threads(n: int) -> int:

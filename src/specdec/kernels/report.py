@@ -44,6 +44,7 @@ class KernelReport:
     # every op row invariant: our compiled kernels (any ISA path, the scalar one included) with q4/q8/auto weights on
     # the CPU; then greedy and seeded exact-acceptance speculation reproduce plain decoding bit for bit
     bit_exact: bool = False
+    avx_vnni: bool = False  # the avx2 path runs its AVX-VNNI variant (256-bit vpdpbusd; the same bits)
 
     @property
     def warning(self) -> str | None:
@@ -54,12 +55,13 @@ class KernelReport:
         return f"specdec runs {path} because {self.reason}: {self.cost}"
 
     def line(self) -> str:
-        return f"[kernels: {self.isa} ({self.weights}), {self.threads} thread{'s' if self.threads != 1 else ''}]"
+        path = f"{self.isa} with AVX-VNNI" if self.avx_vnni else self.isa
+        return f"[kernels: {path} ({self.weights}), {self.threads} thread{'s' if self.threads != 1 else ''}]"
 
     def to_dict(self) -> dict[str, Any]:
         return {"kernel_isa": self.isa, "supported_kernel_isas": list(self.supported), "kernel_weights": self.weights,
                 "kernel_threads": self.threads, "kernel_build": self.build, "kernel_warning": self.warning,
-                "bit_exact": self.bit_exact}
+                "bit_exact": self.bit_exact, "kernel_avx_vnni": self.avx_vnni}
 
 
 def describe_weights(weight_format: str, linear_bytes: dict[str, int] | None = None) -> str:
@@ -90,7 +92,7 @@ def kernel_report(device: torch.device | str = "cpu", weight_format: str = "q8",
         reason, cost = "--weight-format fp32 runs the linear layers on torch's F.linear", FP32_COST
     bit_exact = not on_cuda and isa != "torch" and weight_format in ROW_INVARIANT_FORMATS
     return KernelReport(isa, supported, weights, torch.get_num_threads(), "torch" if on_cuda else ops.kernel_build_id(),
-                        reason, cost, bit_exact)
+                        reason, cost, bit_exact, avx_vnni=not on_cuda and ops.avx_vnni_active())
 
 
 def _why_slow(isa: str, supported: tuple[str, ...], on_cuda: bool) -> tuple[str | None, str | None]:
