@@ -11,18 +11,21 @@ from specdec.kernels import ops
 
 def _run_with(isa: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "SPECDEC_KERNEL_ISA": isa}
-    code = "from specdec.kernels import ops; print(ops.kernel_isa(), ops.kernel_build_id())"
+    code = "from specdec.kernels import ops; print(ops.kernel_isa(), ops.kernel_build_id(), ops.avx_vnni_active())"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_every_path_the_cpu_runs_can_be_forced():
     assert ops.supported_isas()[0] == "scalar"
-    assert ops.kernel_isa() == ops.supported_isas()[-1]  # the best path by default
+    if "SPECDEC_KERNEL_ISA" not in os.environ:
+        assert ops.kernel_isa() == ops.supported_isas()[-1]  # the best path by default
     for isa in ops.supported_isas():
         result = _run_with(isa)
         assert result.returncode == 0, result.stderr
-        name, build_id = result.stdout.split()
-        assert name == isa and build_id.endswith("-" + isa)  # cost profiles are kept per path
+        name, build_id, avx_vnni = result.stdout.split()
+        # cost profiles are kept per path, and apart for the avx2 path's AVX-VNNI variant
+        assert name == isa and build_id.endswith("-" + isa + ("-vnni" if avx_vnni == "True" else ""))
+        assert avx_vnni == "False" or isa == "avx2"
 
 
 def test_a_path_the_cpu_lacks_or_an_unknown_one_is_refused():

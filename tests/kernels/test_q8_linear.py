@@ -331,9 +331,10 @@ def test_the_layouts_differ_only_in_their_reduction_order():
 
 def test_default_layout_follows_the_cpu_and_the_override(monkeypatch):
     monkeypatch.delenv("SPECDEC_Q8_LAYOUT", raising=False)
-    assert ops.default_q8_layout() == ("amx" if ops.amx_available() else "vnni")
+    assert ops.default_q8_layout() == ("amx" if ops.kernel_isa() == "amx" else "vnni")  # the path, forced or not
     assert ops.quantize_weight(torch.randn(4, 64)).layout == ops.default_q8_layout()
-    assert ops.kernel_build_id().endswith("-" + ops.kernel_isa())  # cost profiles are kept per kernel path
+    # cost profiles are kept per kernel path (and apart for the avx2 path's AVX-VNNI variant)
+    assert ops.kernel_build_id().endswith("-" + ops.kernel_isa() + ("-vnni" if ops.avx_vnni_active() else ""))
     monkeypatch.setenv("SPECDEC_Q8_LAYOUT", "vnni")
     assert ops.quantize_weight(torch.randn(4, 64)).layout == "vnni"
     monkeypatch.setenv("SPECDEC_Q8_LAYOUT", "tiles")
