@@ -4,7 +4,9 @@ format").
 
     .venv/bin/python scripts/probes/q5_in_auto.py [--models gemma-3-270m,qwen2.5-coder-0.5b-instruct] [--rounds 6]
 
-The q8 model is auto loaded under the scalar path (where auto keeps q8; its vnni layout runs on every path). Each
+The q5 model loads with `weight_format="q5"`, the q8 model is auto loaded under the scalar path (where auto keeps q8;
+its vnni layout runs on every path), so that both exist on any avx2 CPU whichever of them auto picks there (q5
+without AVX-VNNI, q8 with it). Each
 round measures both models in turn (alternating which goes first) with isa_bench's `measure_path`: plain greedy decode
 tok/s (128 tokens), prefill tok/s of a ~850-token prompt, T(1) and T(8) after 256 cached tokens; the table gives the
 medians. The two give the same logits bit for bit (tests/models/test_q5_models.py).
@@ -18,6 +20,7 @@ from specdec.bench.isa_bench import measure_path
 from specdec.bench.provenance import cpu_name
 from specdec.kernels import ops
 from specdec.llm import LLM
+from specdec.models.layers import resolved_weight_format
 from specdec.runtime import configure_threads
 
 
@@ -30,14 +33,18 @@ def main() -> None:
     configure_threads(args.threads)
     if "avx2" not in ops.supported_isas():
         raise SystemExit("this CPU does not run the avx2 path")
-    print(f"{cpu_name()}, {args.threads} threads, avx2 path; medians of {args.rounds} rounds")
+    with ops.forced_isa("avx2"):
+        variant = "avx2 with AVX-VNNI" if ops.avx_vnni_active() else "avx2"
+        auto = resolved_weight_format("auto")
+    print(f"{cpu_name()}, {args.threads} threads, {variant} path (auto loads Q5_0 layers as {auto}); "
+          f"medians of {args.rounds} rounds")
     print("| model | Q5_0 layers as | decode tok/s | prefill tok/s | T(1) ms | T(8) ms |")
     print("|---|---|---|---|---|---|")
     for name in args.models.split(","):
         llms = {}
-        for label, isa in (("q5 (auto)", "avx2"), ("q8", "scalar")):
+        for label, isa, weight_format in (("q5", "avx2", "q5"), ("q8", "scalar", "auto")):
             with ops.forced_isa(isa):
-                llms[label] = LLM(model=name, max_model_len=2048, max_num_seqs=1)
+                llms[label] = LLM(model=name, max_model_len=2048, max_num_seqs=1, weight_format=weight_format)
         rounds: dict[str, list[dict[str, float]]] = {label: [] for label in llms}
         with ops.forced_isa("avx2"):
             for round_index in range(args.rounds):
