@@ -98,7 +98,10 @@ inline void split_keys(const uint16_t* K, int64_t j0, int64_t D, uint16_t* A) { 
 }
 inline void transpose16(__m512* r) {
   __m512 t[16];
-  for (int i = 0; i < 8; ++i) { t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]); t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]); }
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
   for (int i = 0; i < 4; ++i) {
     r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
     r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
@@ -164,7 +167,8 @@ torch::Tensor split_all_keys(torch::Tensor k) {
 
 // q [P <= 16, D] fp32 (D % 32 == 0), k [L, D] fp16 bits (L % 16 == 0) -> scores [P, L], `reps` times; with
 // `presplit` (split_all_keys(k)) the keys are read as split instead of split here
-torch::Tensor scores_amx(torch::Tensor q, torch::Tensor k, double scale, int64_t reps, c10::optional<torch::Tensor> presplit) {
+torch::Tensor scores_amx(torch::Tensor q, torch::Tensor k, double scale, int64_t reps,
+                         c10::optional<torch::Tensor> presplit) {
   TORCH_CHECK(amx_permitted(), "AMX tile state not granted");
   const int64_t P = q.size(0), D = q.size(1), L = k.size(0), NC = D / 32;
   auto s = torch::empty({P, L});
@@ -276,13 +280,15 @@ def semantics(ext, rounds: int = 12) -> None:
                     chain, exact = np.float32(acc_init[row, col]), Fraction(float(acc_init[row, col]))
                     for kk in range(16):
                         for i in (0, 1):
-                            product = Fraction(float(a_values[row, 2 * kk + i])) * Fraction(float(b_values[kk, 2 * col + i]))
+                            product = (Fraction(float(a_values[row, 2 * kk + i]))
+                                       * Fraction(float(b_values[kk, 2 * col + i])))
                             chain = round_to_fp32(Fraction(float(chain)) + product)
                             exact += product
                     for name, emulated in (("fma chain", chain), ("exact sum, one rounding", round_to_fp32(exact))):
                         if emulated != hardware[row, col]:
                             mismatches[name] += 1
-                            ulps = abs(int(np.array(emulated).view(np.int32)) - int(np.array(hardware[row, col]).view(np.int32)))
+                            ulps = abs(int(np.array(emulated).view(np.int32))
+                                       - int(np.array(hardware[row, col]).view(np.int32)))
                             worst[name] = max(worst[name], ulps)
         total = rounds * 256
         print(f"operands over 2^±{spread}: " + "; ".join(
@@ -291,7 +297,8 @@ def semantics(ext, rounds: int = 12) -> None:
 
 def timings(ext, repeats: int) -> None:
     generator = torch.Generator().manual_seed(0)
-    print("| head dim | keys | query heads | FMA tiles, µs | AMX-BF16, µs | AMX / FMA | AMX, keys split beforehand, µs | rel. error FMA | rel. error AMX |")
+    print("| head dim | keys | query heads | FMA tiles, µs | AMX-BF16, µs | AMX / FMA | AMX, keys split beforehand, µs "
+          "| rel. error FMA | rel. error AMX |")
     print("|---|---|---|---|---|---|---|---|---|")
     for head_dim, keys, head_counts in ((64, 272, (3, 4, 8, 12, 16)), (128, 528, (6, 12, 16)), (256, 272, (4, 8, 16))):
         key_cache = torch.randn(keys, head_dim, generator=generator).half()
@@ -309,8 +316,9 @@ def timings(ext, repeats: int) -> None:
             calls = 100
             times = {"fma": [], "amx": [], "presplit": []}
             for _ in range(repeats):  # alternating, so that a slow spell of the machine hits both
-                for name, run in (("fma", lambda: ext.scores_fma(padded, key_cache.view(torch.int16), scale, calls)),
-                                  ("amx", lambda: ext.scores_amx(query, key_cache.view(torch.int16), scale, calls, None)),
+                keys16 = key_cache.view(torch.int16)
+                for name, run in (("fma", lambda: ext.scores_fma(padded, keys16, scale, calls)),
+                                  ("amx", lambda: ext.scores_amx(query, keys16, scale, calls, None)),
                                   ("presplit", lambda: ext.scores_amx(query, key_cache.view(torch.int16), scale, calls,
                                                                       key_planes))):
                     start = time.perf_counter()

@@ -30,7 +30,8 @@ static int64_t read_part(const uint8_t* p, int64_t n, int64_t streams) {
     for (int64_t s = 0; s < streams; ++s) {
       const uint8_t* q = p + s * part + off;
       for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)q + 4096 + 64 * l, _MM_HINT_T0);
-      for (int l = 0; l < 4; ++l) acc[(s * 4 + l) & 7] = _mm512_dpbusd_epi32(acc[(s * 4 + l) & 7], _mm512_loadu_si512(q + 64 * l), x);
+      for (int l = 0; l < 4; ++l)
+        acc[(s * 4 + l) & 7] = _mm512_dpbusd_epi32(acc[(s * 4 + l) & 7], _mm512_loadu_si512(q + 64 * l), x);
     }
   __m512i t = acc[0];
   for (int i = 1; i < 8; ++i) t = _mm512_add_epi32(t, acc[i]);
