@@ -37,3 +37,31 @@ def one_gguf_reader():
         yield
     finally:
         gguf.GGUFReader = parse
+
+
+@contextlib.contextmanager
+def gguf_dequantize_with_torch():
+    """transformers dequantizes every tensor of a GGUF file it loads with gguf-py's numpy `dequantize` (most of a
+    minute for Qwen2.5-Coder-1.5B on 2 cores): within this block the block types specdec's loader has torch decoders
+    for are decoded by those, which give gguf-py's values bit for bit (tests/models/test_loader.py checks random
+    blocks of every such type and each type's tensors in three real files); every other type stays with gguf-py.
+    So a model transformers loads here has the weights it loads anywhere, sooner."""
+    import gguf
+
+    from specdec.models import loader
+
+    original = gguf.dequantize
+
+    def dequantize(data, qtype):
+        type_name = gguf.GGMLQuantizationType(qtype).name
+        if type_name not in loader._TORCH_DEQUANTIZERS:
+            return original(data, qtype)
+        block_values, block_bytes, _ = loader._TORCH_DEQUANTIZERS[type_name]
+        shape = (*data.shape[:-1], data.shape[-1] // block_bytes * block_values)
+        return loader._dequantize_with_torch(data, type_name, shape).numpy()
+
+    gguf.dequantize = dequantize
+    try:
+        yield
+    finally:
+        gguf.dequantize = original

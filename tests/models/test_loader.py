@@ -13,7 +13,7 @@ import torch
 from specdec.models import loader
 from specdec.models.loader import (ModelLoadError, load_checkpoint, load_gguf, load_hf_dir, load_tokenizer,
                                    read_gguf_file)
-from real_models import one_gguf_reader, real_model_path
+from real_models import gguf_dequantize_with_torch, one_gguf_reader, real_model_path
 from tiny_models import tiny_config, write_tiny_tokenizer
 
 
@@ -130,7 +130,7 @@ def test_llama_qk_unpermuted_like_transformers(real_checkpoints) -> None:
     from transformers import AutoModelForCausalLM
 
     path = real_model_path("smollm2-135m-instruct")
-    with one_gguf_reader():
+    with one_gguf_reader(), gguf_dequantize_with_torch():
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     ours = real_checkpoints("smollm2-135m-instruct").tensors
     for layer in (0, 17):

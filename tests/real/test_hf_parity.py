@@ -14,7 +14,7 @@ from specdec.models.batch import ForwardBatch
 from specdec.llm import LLM
 from specdec.models.loader import load_checkpoint
 from specdec.models.transformer import Transformer
-from real_models import one_gguf_reader, real_model_path
+from real_models import gguf_dequantize_with_torch, one_gguf_reader, real_model_path
 
 LOGIT_BOUND = 2e-3
 PROMPTS = [
@@ -28,7 +28,7 @@ PROMPTS = [
 def hf_model(path):
     from transformers import AutoModelForCausalLM
 
-    with one_gguf_reader():
+    with one_gguf_reader(), gguf_dequantize_with_torch():
         return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
