@@ -42,11 +42,12 @@ def one_gguf_reader():
 
 @contextlib.contextmanager
 def gguf_dequantize_with_torch():
-    """transformers dequantizes every tensor of a GGUF file it loads with gguf-py's numpy `dequantize` (most of a
-    minute for Qwen2.5-Coder-1.5B on 2 cores): within this block the block types specdec's loader has torch decoders
-    for are decoded by those, which give gguf-py's values bit for bit (tests/models/test_loader.py checks random
-    blocks of every such type and each type's tensors in three real files); every other type stays with gguf-py.
-    So a model transformers loads here has the weights it loads anywhere, sooner."""
+    """transformers dequantizes every tensor of a GGUF file it loads with gguf-py's numpy `dequantize` (single-threaded;
+    a fifth of the parity tests' time): within this block the block types specdec's loader has torch decoders for
+    are decoded by those (the loader's own dispatch, `loader._dequantize_gguf_tensor`, on gguf-py's arguments), which
+    give gguf-py's values bit for bit (tests/models/test_loader.py checks random blocks of every such type and one
+    tensor of each type in three real files); every other type stays with gguf-py. So a model transformers loads here
+    has the weights it loads anywhere, sooner."""
     import gguf
 
     from specdec.models import loader

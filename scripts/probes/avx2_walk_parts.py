@@ -145,7 +145,8 @@ def main() -> None:
         modules = {name: build(Path(root), name, patch, vnni) for name, patch in VARIANTS.items()}
         print(f"avx2 path ({'AVX-VNNI' if vnni else 'plain AVX2'}), {args.threads} threads, medians of "
               f"{args.rounds} interleaved rounds\n")
-        print("| weights | shape | rows | " + " | ".join(modules) + " |\n|---" * 1 + "|---" * (2 + len(modules)) + "|")
+        print("| weights | shape | rows | " + " | ".join(modules) + " |")
+        print("|---" * (3 + len(modules)) + "|")
         kernel: dict[tuple[int, int, int], float] = {}
         for kind, k, n, copies in SHAPES:
             for m in rows:
@@ -161,7 +162,7 @@ def main() -> None:
                 print(f"| {kind} | {k}x{n} | {m} | {cells} |")
         print("\n| shape | rows | streamed | compute alone (cached, scaled) | memory alone (1 row streamed) |"
               "\n|---|---|---|---|---|")
-        for _, k, n, copies in SHAPES:
+        for _, k, n, _ in SHAPES:
             if n < 4096:
                 continue
             for m in rows:
