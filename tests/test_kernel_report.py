@@ -39,10 +39,10 @@ def test_a_simd_path_is_named_without_a_warning(cpu):
 def test_the_avx2_paths_avx_vnni_variant_is_named(cpu):
     cpu("avx2", ("scalar", "avx2", "avx512"), avx_vnni=True)
     report = kernel_report()
-    assert report.line().startswith("[kernels: avx2 with AVX-VNNI (q8 vnni layout), ")
+    assert report.line().startswith("[kernels: avx2 with AVX-VNNI (q8 amx layout), ")
     assert report.to_dict()["kernel_avx_vnni"] is True and report.warning is None
     cpu("avx2", ("scalar", "avx2", "avx512"))
-    assert kernel_report().line().startswith("[kernels: avx2 (q8 vnni layout), ")
+    assert kernel_report().line().startswith("[kernels: avx2 (q8 amx layout), ")
 
 
 @pytest.mark.skipif(not ops.kernels_available(), reason="the kernel paths need the compiled extension")
@@ -94,10 +94,15 @@ def test_announce_prints_the_line_and_the_warning(cpu, capsys):
     assert capsys.readouterr().err == f"{report.line()}\n[warning: {report.warning}]\n"
 
 
+def _path_named() -> str:
+    """The running path as the kernel line names it (the avx2 path's AVX-VNNI variant included)."""
+    return f"{ops.kernel_isa()} with AVX-VNNI" if ops.avx_vnni_active() else ops.kernel_isa()
+
+
 def test_generate_prints_the_kernel_path(tiny_model_dir, capsys):
     assert main(["generate", "--model", str(tiny_model_dir), "--max-tokens", "2", "--threads", "2", "abc"]) == 0
     err = capsys.readouterr().err
-    assert f"[kernels: {ops.kernel_isa()} (q8 {ops.default_q8_layout()} layout), 2 threads]\n" in err
+    assert f"[kernels: {_path_named()} (q8 {ops.default_q8_layout()} layout), 2 threads]\n" in err
 
 
 def test_generate_warns_on_the_scalar_path(tiny_model_dir, cpu, capsys):
@@ -114,7 +119,7 @@ def test_serve_prints_the_kernel_path_before_serving(tiny_model_dir, monkeypatch
     monkeypatch.setattr(GracefulServer, "run", lambda self, **kwargs: None)  # no server: only what it prints before
     assert main(["serve", str(tiny_model_dir), "--threads", "2", "--max-model-len", "64"]) == 0
     err = capsys.readouterr().err
-    assert f"[kernels: {ops.kernel_isa()} (q8 {ops.default_q8_layout()} layout), 2 threads]\n[serving " in err
+    assert f"[kernels: {_path_named()} (q8 {ops.default_q8_layout()} layout), 2 threads]\n[serving " in err
 
 
 def test_fp32_weights_warn_that_they_are_not_row_invariant():

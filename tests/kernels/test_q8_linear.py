@@ -123,8 +123,8 @@ def test_packing_transposes_each_unit_as_the_pack_index_gathers():
 def test_scalar_path_matches_simd(k, n, layout, vector_path):
     """Every vector path against the scalar path, bit for bit; also with many row tiles (213 and 500 outputs: 14
     and 32 tiles of 16), which the SIMD paths walk as several weight streams side by side plus the tiles left over,
-    for every row count up to a full block of 16 and beyond. The amx layout (packed only for the amx path) has no
-    avx2 kernel: on the avx2 path it runs its scalar code, which this checks too."""
+    for every row count up to a full block of 16 and beyond (on avx2 also several groups of rows at K = 8960, and
+    blocks of rows split evenly: 5 as 3 + 2, 7 as 4 + 3)."""
     w, x, bias = _data(k, n, m=20)
     qw = ops.quantize_weight(w, layout)
     row_counts = tuple(range(1, 21)) if n > 200 else (1, 2, 3, 7, 20)
@@ -331,7 +331,7 @@ def test_the_layouts_differ_only_in_their_reduction_order():
 
 def test_default_layout_follows_the_cpu_and_the_override(monkeypatch):
     monkeypatch.delenv("SPECDEC_Q8_LAYOUT", raising=False)
-    assert ops.default_q8_layout() == ("amx" if ops.kernel_isa() == "amx" else "vnni")  # the path, forced or not
+    assert ops.default_q8_layout() == ("amx" if ops.kernel_isa() in ("amx", "avx2") else "vnni")  # forced or not
     assert ops.quantize_weight(torch.randn(4, 64)).layout == ops.default_q8_layout()
     # cost profiles are kept per kernel path (and apart for the avx2 path's AVX-VNNI variant)
     assert ops.kernel_build_id().endswith("-" + ops.kernel_isa() + ("-vnni" if ops.avx_vnni_active() else ""))

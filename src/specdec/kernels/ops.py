@@ -152,8 +152,7 @@ def supported_isas() -> tuple[str, ...]:
 @contextlib.contextmanager
 def forced_isa(name: str):
     """Runs the block on kernel path ``name`` (tests and A/B benchmarks), then restores the previous one.
-    Weights packed before keep their layout: the "amx" layout runs on the amx and avx512 paths (its scalar path
-    elsewhere), the "vnni" layout on every path."""
+    Weights packed before keep their layout: both layouts run on every path."""
     ext = _load()
     if ext is None:
         raise RuntimeError("the CPU kernels are not built")
@@ -257,15 +256,15 @@ def amx_available() -> bool:
 
 def default_q8_layout() -> str:
     """The weight layout `quantize_weight` packs for: "amx" when the kernels run on the amx path (one tile
-    instruction per 16 output rows and block of 32 inputs), else "vnni". ``SPECDEC_Q8_LAYOUT=vnni|amx`` overrides
-    it (to compare the two on one machine; the "amx" layout runs on the amx and avx512 paths, and on the portable
-    scalar path of that layout elsewhere)."""
+    instruction per 16 output rows and block of 32 inputs) or the avx2 path (one scale epilogue per block and no
+    horizontal sums: faster there at 1 to 64 rows, docs/kernels.md), else "vnni". ``SPECDEC_Q8_LAYOUT=vnni|amx``
+    overrides it (to compare the two on one machine; both layouts run on every path)."""
     chosen = os.environ.get("SPECDEC_Q8_LAYOUT", "")
     if chosen:
         if chosen not in Q8_LAYOUTS:
             raise ValueError(f"SPECDEC_Q8_LAYOUT={chosen!r}: choose one of {', '.join(Q8_LAYOUTS)}")
         return chosen
-    return "amx" if kernel_isa() == "amx" else "vnni"
+    return "amx" if kernel_isa() in ("amx", "avx2") else "vnni"
 
 
 def _pack_amx(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@
 //   csrc/linear_walk.h     ... the walk over tiles, row blocks and K slices, the same for every vector path
 //   csrc/linear_avx2.h     the int8 linear, vnni layout, AVX2 (and again with AVX-VNNI where the CPU has it)
 //   csrc/linear_amx.h      the int8 linear, amx layout (AMX tiles, and AVX-512 VNNI for few rows)
+//   csrc/linear_amx_avx2.h ... and on AVX2 (again with AVX-VNNI, as linear_avx2.h)
 //   csrc/q4_scalar.h       the 4-bit linear (q4, GGUF Q4_K blocks): its layout, reduction order and scalar path
 //   csrc/q4_avx512.h, q4_avx2.h   ... its vector paths (the amx path runs the avx512 one; q4_avx2.h is compiled
 //                          again with AVX-VNNI, as linear_avx2.h)
@@ -68,6 +69,7 @@ namespace avx2 {
 #include "csrc/vector_kernels.h"
 #include "csrc/linear_avx2.h"
 #include "csrc/linear_walk.h"
+#include "csrc/linear_amx_avx2.h"
 #include "csrc/q5_avx2.h"
 #include "csrc/q4_avx2.h"
 #include "csrc/q6_avx2.h"
@@ -82,6 +84,7 @@ namespace avx2_vnni {
 #include "csrc/simd_avx2.h"
 #include "csrc/linear_avx2.h"
 #include "csrc/linear_walk.h"
+#include "csrc/linear_amx_avx2.h"
 #include "csrc/q5_avx2.h"
 #include "csrc/q4_avx2.h"
 #include "csrc/q6_avx2.h"

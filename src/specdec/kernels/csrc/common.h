@@ -205,6 +205,19 @@ constexpr int64_t kMaxSlicedRows = 48;  // activation rows of one block on the s
 constexpr int64_t kAmxRows = 16;    // output rows per weight tile
 constexpr int64_t kAmxTile = 512;   // bytes of one (row tile, block) weight tile
 
+// Row tiles [t0, t1) cut into S consecutive runs walked side by side: side_by_side(t) for t[s] = the i-th tile of
+// run s, i = 0, 1, ...; then alone(&t) for each tile left over.
+template <int S, class SideBySide, class Alone>
+inline void walk_row_tiles(int64_t t0, int64_t t1, const SideBySide& side_by_side, const Alone& alone) {
+  const int64_t run = (t1 - t0) / S;
+  for (int64_t i = 0; i < run; ++i) {
+    int64_t t[S];
+    for (int s = 0; s < S; ++s) t[s] = t0 + s * run + i;
+    side_by_side(t);
+  }
+  for (int64_t t = t0 + S * run; t < t1; ++t) alone(&t);
+}
+
 // Clips the key ranges [a[i], b[i]) of up to 4 pairs to the key block [j0, j1): per pair [lo[i], hi[i]),
 // and [c0, c1) the keys all of them share (empty when c0 >= c1).
 inline void clip_key_ranges(const int32_t* a, const int32_t* b, int64_t nr, int64_t j0, int64_t j1,

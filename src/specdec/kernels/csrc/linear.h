@@ -256,6 +256,7 @@ torch::Tensor q8_linear_amx_layout(const torch::Tensor& x_in, const torch::Tenso
   int32_t* xsum = act.sums;
   const float* xp = x.data_ptr<float>();
   const Isa isa = active_isa();
+  const bool avx2_vnni = isa == Isa::avx2 && cpu_has_avx_vnni();  // the avx2 path's vpdpbusd (VEX) variant
   const QuantizeUnit quantize_unit = pick_quantize_unit(isa);
   parallel_rows(M, M * K, [&](int64_t a, int64_t b) { quantize_rows_natural(quantize_unit, xp, K, Kp, a, b, xq, xs, xsum); });
 
@@ -276,7 +277,11 @@ torch::Tensor q8_linear_amx_layout(const torch::Tensor& x_in, const torch::Tenso
         amx::linear_amx_layout_amx(W, ts, xq, xs, xsum, Kp, bp, yp, N, t0, t1, 0, M, configured);
       else if (isa == Isa::avx512)
         amx::linear_amx_layout_vnni(W, ts, xq, xs, xsum, Kp, bp, yp, N, t0, t1, 0, M);
-      else  // the avx2 path has no kernel of this layout, which only the amx path packs by default
+      else if (avx2_vnni)
+        avx2_vnni::linear_amx_layout_avx2(W, ts, xq, xs, xsum, Kp, bp, yp, N, t0, t1, 0, M);
+      else if (isa == Isa::avx2)
+        avx2::linear_amx_layout_avx2(W, ts, xq, xs, xsum, Kp, bp, yp, N, t0, t1, 0, M);
+      else
         linear_amx_layout_scalar(W, ts, xq, xs, Kp, bp, yp, N, t0 * kAmxRows, std::min(N, t1 * kAmxRows), 0, M);
     }
   };

@@ -82,19 +82,6 @@ __attribute__((always_inline)) inline void start_row_tiles(const int8_t* W, int6
   }
 }
 
-// Row tiles [t0, t1) cut into S consecutive runs walked side by side: side_by_side(t) for t[s] = the i-th tile of
-// run s, i = 0, 1, ...; then alone(&t) for each tile left over.
-template <int S, class SideBySide, class Alone>
-inline void walk_row_tiles(int64_t t0, int64_t t1, const SideBySide& side_by_side, const Alone& alone) {
-  const int64_t run = (t1 - t0) / S;
-  for (int64_t i = 0; i < run; ++i) {
-    int64_t t[S];
-    for (int s = 0; s < S; ++s) t[s] = t0 + s * run + i;
-    side_by_side(t);
-  }
-  for (int64_t t = t0 + S * run; t < t1; ++t) alone(&t);
-}
-
 // y[m][16 t .. 16 t + 16) for the MR activation rows at xq (row stride Kp), for S row tiles t[0 .. S) at once
 // (S <= kAmxStreams): block by block, the block's activations loaded once, one TDPBSSD per row tile, so that S weight
 // streams are in flight (see vnni_tile_rows). Each tile's operations are those of a tile alone, in the same order.
