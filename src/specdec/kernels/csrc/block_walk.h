@@ -88,10 +88,7 @@ inline void block_tile_mr(int mr, const uint8_t* W, const uint8_t* scales, int64
 template <class Units>
 inline int block_tile_rows(int64_t left) {
   constexpr int MR = Units::kTileRows;
-  if constexpr (kBlockBalancedTiles) {
-    const int64_t tiles = (left + MR - 1) / MR;
-    return static_cast<int>((left + tiles - 1) / tiles);
-  }
+  if constexpr (kBlockBalancedTiles) return even_block_rows(left, MR);
   return static_cast<int>(std::min<int64_t>(MR, left));
 }
 

@@ -88,6 +88,16 @@ inline std::atomic<int>& selected_isa() {
   return isa;
 }
 inline Isa active_isa() { return Isa(selected_isa().load(std::memory_order_relaxed)); }
+
+// Whether path isa runs as the avx2 path's vpdpbusd (VEX) variant, namespace avx2_vnni.
+inline bool avx2_vnni_variant(Isa isa) { return isa == Isa::avx2 && cpu_has_avx_vnni(); }
+
+// The rows of the next block when `left` rows remain, in blocks of at most max_rows split as evenly as such blocks
+// allow (tiles of 5: 6 rows as 3 + 3, 8 as 4 + 4; tiles of 4: 5 as 3 + 2).
+inline int even_block_rows(int64_t left, int max_rows) {
+  const int64_t blocks = (left + max_rows - 1) / max_rows;
+  return static_cast<int>((left + blocks - 1) / blocks);
+}
 inline bool at_least(Isa isa, Isa level) { return static_cast<int>(isa) >= static_cast<int>(level); }
 
 // exact fp16 -> fp32 (identical to vcvtph2ps)

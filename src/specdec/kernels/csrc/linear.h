@@ -152,7 +152,7 @@ torch::Tensor vnni_layout_linear(const LinearInputs& in, int64_t N, int64_t Kp, 
   const float* xp = x.data_ptr<float>();
   const Isa isa = active_isa();
   // the avx2 path's dots: vpdpbusd where the CPU has AVX-VNNI, else the signed dot (see linear_avx2.h)
-  const bool avx2_vnni = isa == Isa::avx2 && cpu_has_avx_vnni();
+  const bool avx2_vnni = avx2_vnni_variant(isa);
   const QuantizeUnit quantize_unit = pick_quantize_unit(isa);
   const int32_t factor = lane_sum_factor(isa, avx2_vnni);
   parallel_rows(M, M * K, [&](int64_t a, int64_t b) {
@@ -256,7 +256,7 @@ torch::Tensor q8_linear_amx_layout(const torch::Tensor& x_in, const torch::Tenso
   int32_t* xsum = act.sums;
   const float* xp = x.data_ptr<float>();
   const Isa isa = active_isa();
-  const bool avx2_vnni = isa == Isa::avx2 && cpu_has_avx_vnni();  // the avx2 path's vpdpbusd (VEX) variant
+  const bool avx2_vnni = avx2_vnni_variant(isa);
   const QuantizeUnit quantize_unit = pick_quantize_unit(isa);
   parallel_rows(M, M * K, [&](int64_t a, int64_t b) { quantize_rows_natural(quantize_unit, xp, K, Kp, a, b, xq, xs, xsum); });
 

@@ -176,23 +176,8 @@ inline void amx_avx2_tiles(const int8_t* W, const uint16_t* tscale, const int8_t
   }
 }
 
-// Weight streams walked side by side at one row (decode): 2 (more rows fill the registers with accumulators).
-template <int MR>
-constexpr int kAmxAvx2Streams = MR == 1 ? 2 : 1;
-
-// The blocks of at most kAmxAvx2Rows rows that rows [m0, m1) split into evenly (5 rows as 3 + 2, 8 as 4 + 4): calls
-// block(m, mr) for each in order.
-template <class Block>
-inline void amx_avx2_row_blocks(int64_t m0, int64_t m1, const Block& block) {
-  const int64_t blocks = (m1 - m0 + kAmxAvx2Rows - 1) / kAmxAvx2Rows;
-  int64_t m = m0;
-  for (int64_t i = 0; i < blocks; ++i) {
-    const int64_t left = m1 - m, parts = blocks - i;
-    const int mr = static_cast<int>(left / parts + (left % parts != 0));
-    block(m, mr);
-    m += mr;
-  }
-}
+// Weight streams walked side by side at one row (decode; more rows fill the registers with accumulators).
+constexpr int kAmxAvx2Streams = 2;
 
 // Row tiles t[0 .. S) for the mr activation rows from row m (mr <= kAmxAvx2Rows).
 template <int S>
@@ -217,7 +202,7 @@ inline void amx_avx2_rows(const int8_t* W, const uint16_t* tscale, const int8_t*
 // in groups of this size, each group over the whole range of tiles).
 constexpr int64_t kAmxAvx2GroupBytes = 96 * 1024;
 
-// Row tiles [t0, t1) x activation rows [m0, m1). One row (decode) walks the range with kAmxAvx2Streams<1> weight
+// Row tiles [t0, t1) x activation rows [m0, m1). One row (decode) walks the range with kAmxAvx2Streams weight
 // streams, each prefetched kAmxAvx2Prefetch bytes ahead. More rows walk it tile by tile, every block of rows over the
 // tile before the next tile (the first block streams the tile from memory, the others find it in cache), in groups
 // of rows of at most kAmxAvx2GroupBytes of activations; every pass prefetches the same blocks of the next tile, so
@@ -226,7 +211,7 @@ void linear_amx_layout_avx2(const int8_t* W, const uint16_t* tscale, const int8_
                             const int32_t* xsum, int64_t Kp, const float* bias, float* y, int64_t N, int64_t t0,
                             int64_t t1, int64_t m0, int64_t m1) {
   if (m1 - m0 == 1) {
-    constexpr int S = kAmxAvx2Streams<1>;
+    constexpr int S = kAmxAvx2Streams;
     walk_row_tiles<S>(
         t0, t1,
         [&](const int64_t* t) { amx_avx2_rows<S>(W, tscale, xq, xs, xsum, Kp, bias, y, N, t, m0, 1, kAmxAvx2Prefetch); },
@@ -238,8 +223,9 @@ void linear_amx_layout_avx2(const int8_t* W, const uint16_t* tscale, const int8_
   for (int64_t g0 = m0; g0 < m1; g0 += group) {
     const int64_t g1 = std::min(m1, g0 + group);
     for (int64_t t = t0; t < t1; ++t)
-      amx_avx2_row_blocks(g0, g1, [&](int64_t m, int mr) {
-        amx_avx2_rows<1>(W, tscale, xq, xs, xsum, Kp, bias, y, N, &t, m, mr, tile_bytes);
-      });
+      for (int64_t m = g0, mr = 0; m < g1; m += mr) {  // blocks of rows split evenly: 5 as 3 + 2, 8 as 4 + 4
+        mr = even_block_rows(g1 - m, kAmxAvx2Rows);
+        amx_avx2_rows<1>(W, tscale, xq, xs, xsum, Kp, bias, y, N, &t, m, static_cast<int>(mr), tile_bytes);
+      }
   }
 }

@@ -60,10 +60,7 @@ __attribute__((always_inline)) inline void tile(const uint8_t* W, const int8_t* 
 // the rows of the next tile when `left` activation rows remain: kTileRows at most; with kBalancedTiles, the rows
 // split as evenly as tiles of up to kTileRows allow (6 as 3 + 3, not 5 + 1)
 inline int tile_rows(int64_t left) {
-  if constexpr (kBalancedTiles) {
-    const int64_t tiles = (left + kTileRows - 1) / kTileRows;
-    return static_cast<int>((left + tiles - 1) / tiles);
-  }
+  if constexpr (kBalancedTiles) return even_block_rows(left, kTileRows);
   return static_cast<int>(std::min<int64_t>(kTileRows, left));
 }
 

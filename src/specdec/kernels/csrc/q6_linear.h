@@ -51,7 +51,7 @@ torch::Tensor q6_linear(const torch::Tensor& x_in, const torch::Tensor& quants, 
   int32_t* corr = reinterpret_cast<int32_t*>(act.sums);
   const float* xp = in.x.data_ptr<float>();
   const Isa isa = active_isa();
-  const bool avx2_vnni = isa == Isa::avx2 && cpu_has_avx_vnni();  // the avx2 path's vpdpbusd (VEX) variant
+  const bool avx2_vnni = avx2_vnni_variant(isa);
   const QuantizeUnit quantize_unit = pick_quantize_unit(isa);
   parallel_rows(M, M * K, [&](int64_t a, int64_t b) { quantize_rows_q6(quantize_unit, xp, K, a, b, act.q, act.scales, corr); });
 
