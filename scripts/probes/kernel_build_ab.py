@@ -4,13 +4,16 @@ per call of each build's linear and the ratio, per shape and row count, and a ch
     .venv/bin/python scripts/probes/kernel_build_ab.py BEFORE.so AFTER.so [--format q5] [--isa avx2]
         [--shapes 896x9728,896x896,1536x8960] [--rows 1,2,3,4,5,6,7,8,12,16]
 
---format: q5, q8 (the vnni layout), q4 or q6 (GGUF Q4_K's and Q6_K's blocks; IN a multiple of 256).
+--format: q5, q8 (the vnni layout), q8-amx (the amx layout), q4 or q6 (GGUF Q4_K's and Q6_K's blocks; IN a
+multiple of 256).
 
 BEFORE.so and AFTER.so are compiled kernel modules: the installed one (src/specdec/kernels/_q8.*.so) and a
 development build of other sources (``$XDG_CACHE_HOME/specdec/kernels/<digest>/specdec_q8_<digest>.so``, which a
-process importing specdec from that checkout compiles). Calls alternate between the builds (each in turn first) and
-cycle through 4 copies of the weight, so that every call streams its weight from memory as a forward does, and a
-machine's slow minutes fall on both builds alike. The weights are random, packed by this checkout's Python.
+process importing specdec from that checkout compiles). A copy keeps its file name (the module's name): copy the
+installed build into a directory of its own, e.g. /tmp/before/, before rebuilding it. Calls alternate between
+the builds (each in turn first) and cycle through 4 copies of the weight, so that every call streams its weight
+from memory as a forward does, and a machine's slow minutes fall on both builds alike. The weights are random,
+packed by this checkout's Python.
 """
 from __future__ import annotations
 
@@ -53,6 +56,10 @@ def weight_calls(fmt: str, in_features: int, out_features: int, generator: torch
         elif fmt == "q8":
             weight = ops.quantize_weight(torch.randn(out_features, in_features, generator=generator), "vnni")
             calls.append(lambda build, x, w=weight: build.q8_linear(x, w.qweight, w.scale, None, w.in_features))
+        elif fmt == "q8-amx":
+            weight = ops.quantize_weight(torch.randn(out_features, in_features, generator=generator), "amx")
+            calls.append(lambda build, x, w=weight: build.q8_linear_amx(x, w.qweight, w.tile_scale, None,
+                                                                       w.in_features, w.out_features))
         elif fmt == "q4":
             weight = quantize_q4(torch.randn(out_features, in_features, generator=generator), search_steps=0)
             calls.append(lambda build, x, w=weight: build.q4_linear(x, w.quants, w.scales, None, w.in_features))
@@ -64,7 +71,7 @@ def weight_calls(fmt: str, in_features: int, out_features: int, generator: torch
                 d=(torch.rand(out_features, in_features // 256, generator=generator) * 1e-4).half()))
             calls.append(lambda build, x, w=weight: build.q6_linear(x, w.quants, w.scales, None))
         else:
-            raise SystemExit(f"--format {fmt!r}: choose q4, q5, q6 or q8")
+            raise SystemExit(f"--format {fmt!r}: choose q4, q5, q6, q8 or q8-amx")
     return calls
 
 
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("before")
     parser.add_argument("after")
-    parser.add_argument("--format", default="q5", help="q4, q5, q6 or q8 (the vnni layout)")
+    parser.add_argument("--format", default="q5", help="q4, q5, q6, q8 (the vnni layout) or q8-amx")
     parser.add_argument("--isa", default="avx2", help="the kernel path both builds run")
     parser.add_argument("--shapes", default="896x9728,896x896,1536x8960", help="INxOUT, comma-separated")
     parser.add_argument("--rows", default="1,2,3,4,5,6,7,8,12,16")
