@@ -13,6 +13,13 @@
 // (|w| <= 127, |x| <= 127: a pair never saturates int16), then vpmaddwd with ones, from 0. Both are the signed dot.
 
 constexpr int64_t kAmxAvx2Prefetch = 4096;  // bytes ahead in a weight stream, as linear_amx.h's kAmxPrefetch
+
+// What a pass prefetches of its weights: the lines `ahead` bytes beyond each block it reads (0: none), into L1 (a
+// decode stream, kAmxAvx2Prefetch ahead) or into L2 (the next tile, while a verify block's passes compute).
+struct AmxAvx2Prefetch {
+  int64_t ahead;
+  bool to_l1;
+};
 constexpr int kAmxAvx2Rows = 4;             // activation rows per pass at most
 
 // The 4 activation bytes at p in every lane (vbroadcastss: a load, no shuffle port).
@@ -35,7 +42,7 @@ constexpr int kAmxAvx2Split = 1;  // the additions' latency is 1 cycle: one chai
 template <int MR, int HR, int S>
 __attribute__((always_inline)) inline void amx_avx2_pass(const int8_t* W, const uint16_t* tscale, const int8_t* xq,
                                                          const float* xs, const int32_t* xsum, int64_t Kp,
-                                                         const int64_t* t, int h0, int64_t prefetch_ahead,
+                                                         const int64_t* t, int h0, AmxAvx2Prefetch prefetch,
                                                          __m256 (&out)[S][MR][HR]) {
   constexpr int A = S * MR * HR;  // lane groups, index (s * MR + m) * HR + j (flat arrays: kept in registers)
   constexpr int P = kAmxAvx2Split;
@@ -56,14 +63,14 @@ __attribute__((always_inline)) inline void amx_avx2_pass(const int8_t* W, const 
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   for (int64_t b = 0; b < NB; ++b) {
-    if (prefetch_ahead) {
+    if (prefetch.ahead) {
 #pragma GCC unroll 4
       for (int s = 0; s < S; ++s) {
-        const char* pf = reinterpret_cast<const char*>(wt[s] + b * kAmxTile) + prefetch_ahead;
+        const char* pf = reinterpret_cast<const char*>(wt[s] + b * kAmxTile) + prefetch.ahead;
 #pragma GCC unroll 8
         for (int line = 0; line < 8; ++line) {
           // a stream's next 4 KB into L1; the next tile (up to 150 KB at K = 4864) into L2
-          if (prefetch_ahead == kAmxAvx2Prefetch) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
+          if (prefetch.to_l1) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
           else _mm_prefetch(pf + line * 64, _MM_HINT_T1);
         }
       }
@@ -162,11 +169,11 @@ inline void amx_avx2_store_half(const __m256 (&fa)[MR], const float* bias, float
 template <int MR, int S>
 inline void amx_avx2_tiles(const int8_t* W, const uint16_t* tscale, const int8_t* xq, const float* xs,
                            const int32_t* xsum, int64_t Kp, const float* bias, float* y, int64_t N, const int64_t* t,
-                           int64_t prefetch_ahead) {
+                           AmxAvx2Prefetch prefetch) {
   constexpr int HR = MR <= 2 ? 2 : 1;
   for (int h0 = 0; h0 < 2; h0 += HR) {
     __m256 fa[S][MR][HR];
-    amx_avx2_pass<MR, HR, S>(W, tscale, xq, xs, xsum, Kp, t, h0, prefetch_ahead, fa);
+    amx_avx2_pass<MR, HR, S>(W, tscale, xq, xs, xsum, Kp, t, h0, prefetch, fa);
     for (int s = 0; s < S; ++s)
       for (int j = 0; j < HR; ++j) {
         __m256 half[MR];
@@ -183,7 +190,7 @@ constexpr int kAmxAvx2Streams = 2;
 template <int S>
 inline void amx_avx2_rows(const int8_t* W, const uint16_t* tscale, const int8_t* xq, const float* xs,
                           const int32_t* xsum, int64_t Kp, const float* bias, float* y, int64_t N, const int64_t* t,
-                          int64_t m, int mr, int64_t prefetch_ahead) {
+                          int64_t m, int mr, AmxAvx2Prefetch prefetch) {
   const int64_t NB = Kp / 32;
   const int8_t* xm = xq + m * Kp;
   const float* sm = xs + m * NB;
@@ -191,10 +198,10 @@ inline void amx_avx2_rows(const int8_t* W, const uint16_t* tscale, const int8_t*
   float* ym = y + m * N;
   static_assert(kAmxAvx2Rows == 4, "the cases below");
   switch (mr) {
-    case 1: amx_avx2_tiles<1, S>(W, tscale, xm, sm, um, Kp, bias, ym, N, t, prefetch_ahead); break;
-    case 2: amx_avx2_tiles<2, S>(W, tscale, xm, sm, um, Kp, bias, ym, N, t, prefetch_ahead); break;
-    case 3: amx_avx2_tiles<3, S>(W, tscale, xm, sm, um, Kp, bias, ym, N, t, prefetch_ahead); break;
-    default: amx_avx2_tiles<4, S>(W, tscale, xm, sm, um, Kp, bias, ym, N, t, prefetch_ahead); break;
+    case 1: amx_avx2_tiles<1, S>(W, tscale, xm, sm, um, Kp, bias, ym, N, t, prefetch); break;
+    case 2: amx_avx2_tiles<2, S>(W, tscale, xm, sm, um, Kp, bias, ym, N, t, prefetch); break;
+    case 3: amx_avx2_tiles<3, S>(W, tscale, xm, sm, um, Kp, bias, ym, N, t, prefetch); break;
+    default: amx_avx2_tiles<4, S>(W, tscale, xm, sm, um, Kp, bias, ym, N, t, prefetch); break;
   }
 }
 
@@ -212,20 +219,21 @@ void linear_amx_layout_avx2(const int8_t* W, const uint16_t* tscale, const int8_
                             int64_t t1, int64_t m0, int64_t m1) {
   if (m1 - m0 == 1) {
     constexpr int S = kAmxAvx2Streams;
+    const AmxAvx2Prefetch stream{kAmxAvx2Prefetch, true};
     walk_row_tiles<S>(
         t0, t1,
-        [&](const int64_t* t) { amx_avx2_rows<S>(W, tscale, xq, xs, xsum, Kp, bias, y, N, t, m0, 1, kAmxAvx2Prefetch); },
-        [&](const int64_t* t) { amx_avx2_rows<1>(W, tscale, xq, xs, xsum, Kp, bias, y, N, t, m0, 1, kAmxAvx2Prefetch); });
+        [&](const int64_t* t) { amx_avx2_rows<S>(W, tscale, xq, xs, xsum, Kp, bias, y, N, t, m0, 1, stream); },
+        [&](const int64_t* t) { amx_avx2_rows<1>(W, tscale, xq, xs, xsum, Kp, bias, y, N, t, m0, 1, stream); });
     return;
   }
-  const int64_t tile_bytes = Kp / 32 * kAmxTile;
+  const AmxAvx2Prefetch next_tile{Kp / 32 * kAmxTile, false};
   const int64_t group = std::max<int64_t>(kAmxAvx2Rows, kAmxAvx2GroupBytes / Kp / kAmxAvx2Rows * kAmxAvx2Rows);
   for (int64_t g0 = m0; g0 < m1; g0 += group) {
     const int64_t g1 = std::min(m1, g0 + group);
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t m = g0, mr = 0; m < g1; m += mr) {  // blocks of rows split evenly: 5 as 3 + 2, 8 as 4 + 4
         mr = even_block_rows(g1 - m, kAmxAvx2Rows);
-        amx_avx2_rows<1>(W, tscale, xq, xs, xsum, Kp, bias, y, N, &t, m, static_cast<int>(mr), tile_bytes);
+        amx_avx2_rows<1>(W, tscale, xq, xs, xsum, Kp, bias, y, N, &t, m, static_cast<int>(mr), next_tile);
       }
   }
 }
